@@ -1,0 +1,94 @@
+r"""Optimizer step time: Muon Split vs whole-matrix Muon vs AdamW on GLM-5 preset trees.
+
+The parameter trees are the model's (`nn.abstract_params`, i.e. jax.eval_shape of GLM5.init),
+filled with random arrays; gradients are random too. One step = `tx.update` + `apply_updates`,
+jitted with donated params and state; the time is the median of `--repeats` runs after a
+compile-and-warm-up run.
+
+  python -m experiments.bench_optim --presets=tiny,small --out=/tmp/bench_optim.json
+"""
+
+import json
+import statistics
+import time
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import optax
+
+from glm5_jax import get_preset
+from glm5_jax import nn
+from glm5_jax import optim
+
+_PRESETS = flags.DEFINE_list("presets", ["tiny", "small"], "Model presets to benchmark.")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed steps per optimizer (median reported).")
+_OUT = flags.DEFINE_string("out", None, "Write the results as JSON here.")
+
+
+def _optimizers(lr=1e-3, wd=0.1):
+  return {
+      "adamw": optax.adamw(lr, b1=0.9, b2=0.95, weight_decay=wd),
+      "muon (whole matrix)": optim.muon_split(learning_rate=lr, weight_decay=wd,
+                                              split_heads=False, rms_shape="full"),
+      "muon_split": optim.muon_split(learning_rate=lr, weight_decay=wd),
+  }
+
+
+def _random_like(shapes, key, scale):
+  keys = jax.random.split(key, len(jax.tree.leaves(shapes)))
+  keys = jax.tree.unflatten(jax.tree.structure(shapes), list(keys))
+  return jax.tree.map(lambda s, k: scale * jax.random.normal(k, s.shape, s.dtype), shapes, keys)
+
+
+def bench_one(tx, shapes, repeats):
+  """(median step seconds, compile + first step seconds) of tx on random params/grads."""
+  params = _random_like(shapes, jax.random.key(0), 0.02)
+  grads = _random_like(shapes, jax.random.key(1), 1e-3)
+  state = tx.init(params)
+
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  step = jax.jit(step, donate_argnums=(0, 1))
+  t0 = time.perf_counter()
+  params, state = jax.block_until_ready(step(params, state, grads))
+  first = time.perf_counter() - t0
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    params, state = jax.block_until_ready(step(params, state, grads))
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times), first
+
+
+def main(argv):
+  del argv
+  rows = []
+  for preset in _PRESETS.value:
+    shapes = nn.abstract_params(get_preset(preset))[0]
+    n_params = sum(x.size for x in jax.tree.leaves(shapes))
+    base = None
+    for name, tx in _optimizers().items():
+      step_s, first_s = bench_one(tx, shapes, _REPEATS.value)
+      base = base or step_s
+      rows.append(dict(preset=preset, params_m=n_params / 1e6, optimizer=name,
+                       step_ms=1e3 * step_s, vs_adamw=step_s / base, compile_s=first_s))
+      print(f"{preset:6s} {name:20s} {1e3 * step_s:10.2f} ms  x{step_s / base:6.2f}  "
+            f"(compile+first {first_s:.1f} s)", flush=True)
+  header = "| preset | params | optimizer | step (ms, median) | vs AdamW | compile + 1st step (s) |"
+  lines = [header, "|---|---|---|---|---|---|"]
+  lines += [f"| {r['preset']} | {r['params_m']:.1f}M | {r['optimizer']} | {r['step_ms']:.2f} | "
+            f"{r['vs_adamw']:.2f} | {r['compile_s']:.1f} |" for r in rows]
+  print("\n".join(lines))
+  if _OUT.value:
+    info = dict(backend=jax.default_backend(), devices=jax.device_count(),
+                repeats=_REPEATS.value, jax=jax.__version__, optax=optax.__version__)
+    with open(_OUT.value, "w") as f:
+      json.dump(dict(info=info, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+  app.run(main)

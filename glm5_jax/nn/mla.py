@@ -1,0 +1,151 @@
+"""Multi-head Latent Attention (MLA) with DeepSeek Sparse Attention (DSA).
+
+Spec §2.2 (expanded form), §2.3 (absorbed form), §2.4 (indexer top-k).
+Notation: b batch, t queries, s keys, h heads, r q_lora, c kv_lora,
+n qk_nope, p qk_rope, v v_head, k top-k slots.
+
+Weights are stored per head (design.md decision 3):
+  wq_b [r, h, n+p]   w_uk [c, h, n]   w_uv [c, h, v]   wo [h, v, d]
+so that Muon Split orthogonalises each head's block on its own.
+
+Two attention forms, equal in exact arithmetic:
+  expanded  k_nope = c_kv W_UK, v = c_kv W_UV per head; MHA over them.
+            Used for dense attention (DSA warm-up / pre-DSA training).
+  absorbed  q~ = q_nope W_UK^T; MQA over the shared rows [c_kv | k_rope];
+            out = (softmax . c_kv) W_UV. Used for DSA sparse attention, which
+            gathers the top-k latent rows (pallas_kernels.sparse_attention), and
+            for decode.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from glm5_jax import losses
+from glm5_jax.nn import indexer as indexer_lib
+from glm5_jax.nn import norms
+from glm5_jax.nn import params as P
+from glm5_jax.nn import rope
+from pallas_kernels import sparse_attention
+
+
+def causal_mask(t: int, s: int):
+  """[t, s] bool: query i (absolute position s - t + i) sees keys j <= s - t + i."""
+  return jnp.arange(s)[None, :] <= (jnp.arange(t) + (s - t))[:, None]
+
+
+def topk_mask(indices_btk, s: int):
+  """[b, t, s] bool: key j is among the selected indices (-1 slots ignored)."""
+  onehot = jax.nn.one_hot(jnp.where(indices_btk >= 0, indices_btk, s), s + 1, dtype=jnp.bool_)
+  return jnp.any(onehot, axis=-2)[..., :s]
+
+
+def mla_expanded_attention(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, mask_bts, scale):
+  """Expanded (MHA) MLA attention. Returns o [b, t, h, v].
+
+  q_nope [b,t,h,n], q_rope [b,t,h,p], c_kv [b,s,c], k_rope [b,s,p],
+  w_uk [c,h,n], w_uv [c,h,v], mask_bts [b or 1, t, s] bool.
+  """
+  f32 = jnp.promote_types(q_nope.dtype, jnp.float32)   # float64 stays float64 in tests
+  k_nope = jnp.einsum("bsc,chn->bshn", c_kv, w_uk)
+  v = jnp.einsum("bsc,chv->bshv", c_kv, w_uv)
+  logits = (jnp.einsum("bthn,bshn->bhts", q_nope, k_nope, preferred_element_type=f32)
+            + jnp.einsum("bthp,bsp->bhts", q_rope, k_rope, preferred_element_type=f32)) * scale
+  logits = jnp.where(mask_bts[:, None], logits, -jnp.inf)
+  probs = jax.nn.softmax(logits, axis=-1)
+  return jnp.einsum("bhts,bshv->bthv", probs.astype(v.dtype), v)
+
+
+def absorb_query(q_nope, q_rope, w_uk):
+  """q~ = [q_nope W_UK^T | q_rope]: [b, t, h, c + p] (spec §2.3)."""
+  q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w_uk)
+  return jnp.concatenate([q_lat, q_rope.astype(q_lat.dtype)], axis=-1)
+
+
+def mla_absorbed_attention(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, mask_bts, scale):
+  """Absorbed (MQA) MLA attention with a dense mask; same result as the expanded form."""
+  q_abs = absorb_query(q_nope, q_rope, w_uk)
+  kv = jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], axis=-1)
+  acc = jnp.promote_types(q_abs.dtype, jnp.float32)
+  logits = jnp.einsum("bthd,bsd->bhts", q_abs, kv, preferred_element_type=acc) * scale
+  logits = jnp.where(mask_bts[:, None], logits, -jnp.inf)
+  probs = jax.nn.softmax(logits, axis=-1)
+  u = jnp.einsum("bhts,bsc->bthc", probs.astype(c_kv.dtype), c_kv)
+  return jnp.einsum("bthc,chv->bthv", u, w_uv)
+
+
+def mla_sparse_attention(cfg, q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, indices_btk):
+  """DSA: absorbed MLA over the gathered top-k latent rows. Returns o [b, t, h, v]."""
+  q_abs = absorb_query(q_nope, q_rope, w_uk)
+  kv = jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], axis=-1)
+  u, _ = sparse_attention.sparse_mla(
+      q_abs, kv, indices_btk, v_dim=cfg.kv_lora_rank, scale=cfg.softmax_scale,
+      impl=cfg.attention_impl, interpret=jax.default_backend() == "cpu",
+      chunk_size=cfg.attention_chunk_size)
+  return jnp.einsum("bthc,chv->bthv", u, w_uv)
+
+
+class MLA(nn.Module):
+  """MLA + DSA for one layer. Returns (out [b,t,d], top-k indices or None, indexer KL or None).
+
+  Attributes:
+    cfg: ModelConfig.
+    has_indexer: False on IndexShare "shared" layers, which reuse `prev_indices`.
+  """
+  cfg: "ModelConfig"  # noqa: F821
+  has_indexer: bool = True
+
+  @nn.compact
+  def __call__(self, x_btd, cos, sin, *, prev_indices=None, with_indexer_loss=False):
+    cfg = self.cfg
+    dt = jnp.dtype(cfg.dtype)
+    h, n, p, v = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                  cfg.v_head_dim)
+    r, c, d = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.hidden_size
+    init, pd = P.dense_init(cfg), cfg.param_dtype
+    wq_a = P.param(self, "wq_a", init, (d, r), ("embed", "q_lora"), pd)
+    wq_b = P.param(self, "wq_b", init, (r, h, n + p), ("q_lora", "heads", "qk_head_dim"), pd)
+    wkv_a = P.param(self, "wkv_a", init, (d, c + p), ("embed", "kv_lora_rope"), pd)
+    w_uk = P.param(self, "w_uk", init, (c, h, n), ("kv_lora", "heads", "qk_nope_head_dim"), pd)
+    w_uv = P.param(self, "w_uv", init, (c, h, v), ("kv_lora", "heads", "v_head_dim"), pd)
+    wo = P.param(self, "wo", init, (h, v, d), ("heads", "v_head_dim", "embed"), pd)
+    wq_b, w_uk, w_uv = wq_b.astype(dt), w_uk.astype(dt), w_uv.astype(dt)
+
+    x = x_btd.astype(dt)
+    # Spec gotcha: q_a_layernorm / kv_a_layernorm use eps 1e-6, not rms_norm_eps.
+    c_q = norms.RMSNorm(1e-6, "q_lora", pd, dt, name="q_norm")(x @ wq_a.astype(dt))
+    q = jnp.einsum("btr,rhk->bthk", c_q, wq_b)
+    q_nope, q_rope = q[..., :n], rope.apply_rope(q[..., n:], cos, sin,
+                                                 interleave=cfg.rope_interleave)
+    ckv = x @ wkv_a.astype(dt)
+    c_kv = norms.RMSNorm(1e-6, "kv_lora", pd, dt, name="kv_norm")(ckv[..., :c])
+    k_rope = rope.apply_rope(ckv[..., c:], cos, sin, interleave=cfg.rope_interleave)
+
+    indices = prev_indices
+    q_i = k_i = w_i = None
+    if self.has_indexer:
+      q_i, k_i, w_i = indexer_lib.Indexer(cfg, name="indexer")(x_btd, c_q, cos, sin)
+      self.sow("intermediates", "indexer_qkw", (q_i, k_i, w_i))   # for tests / analysis
+      if cfg.attention_type == "sparse":
+        indices = indexer_lib.select_topk(cfg, q_i, k_i, w_i)
+
+    t = x.shape[1]
+    if cfg.attention_type == "dense":
+      o = mla_expanded_attention(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv,
+                                 causal_mask(t, t)[None], cfg.softmax_scale)
+    else:
+      if indices is None:
+        raise ValueError("a 'shared' indexer layer needs the previous full layer's top-k")
+      o = mla_sparse_attention(cfg, q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, indices)
+    out = jnp.einsum("bthv,hvd->btd", o, wo.astype(dt))
+
+    kl = None
+    if with_indexer_loss and self.has_indexer:
+      q_abs = absorb_query(q_nope, q_rope, w_uk)
+      kv = jnp.concatenate([c_kv, k_rope], axis=-1)
+      kl_fn = losses.indexer_kl_dense if cfg.attention_type == "dense" else losses.indexer_kl_sparse
+      kl = kl_fn(q_abs, kv, q_i, k_i, w_i, scale=cfg.softmax_scale,
+                 indices=indices, chunk_size=cfg.attention_chunk_size)
+    return out, indices, kl

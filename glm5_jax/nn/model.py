@@ -1,0 +1,195 @@
+"""GLM5: the GLM-5 decoder (glm_moe_dsa) with parameter-shared MTP.
+
+    h^0 = Emb(tokens)
+    h^l = DecoderLayer_l(h^{l-1})          l < first_k_dense_replace: dense FFN, else MoE
+    logits = lm_head(RMSNorm(h^L))
+    mtp_logits[k-1] = MTP step k (mtp.py), k = 1..mtp_num_steps, from h^L (pre-norm)
+
+Parameter tree (plain pytree; every leaf created with logical axis names):
+    embed/embedding [V, d]            lm_head/kernel [d, V]      final_norm/scale [d]
+    layers_{i}/{input_norm, attn, post_attention_norm, mlp | moe}
+    mtp/{enorm, hnorm, eh_proj, layer, head_norm}     (when num_nextn_predict_layers = 1)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from glm5_jax.nn import decoder as decoder_lib
+from glm5_jax.nn import mtp as mtp_lib
+from glm5_jax.nn import norms
+from glm5_jax.nn import params as P
+from glm5_jax.nn import rope
+
+
+@flax.struct.dataclass
+class ModelOutput:
+  """What a forward pass returns.
+
+  Attributes:
+    logits: float32 [b, t, V], or None when `return_logits=False`.
+    mtp_logits: float32 [D, b, t, V] (step k at position i predicts token
+      i + k + 1), or None without MTP or logits.
+    hidden: [b, t, d] final-normed hidden states (input of lm_head; the chunked
+      cross entropy consumes these instead of logits).
+    mtp_hidden: [D, b, t, d] head-normed MTP hidden states, or None.
+    indexer_kl: float32 [L] per-layer indexer KL (0 on layers without an
+      indexer), or None unless `with_indexer_loss`.
+    mtp_indexer_kl: float32 [D] the MTP layer's indexer KL per step, or None.
+    expert_load: float32 [L_moe, E] fraction of routed slots per expert.
+    mtp_expert_load: float32 [D, E], or None.
+    topk_indices: tuple of int32 [b, t, index_topk] per layer (None for dense
+      attention), only with `return_topk=True`.
+  """
+  logits: Any
+  mtp_logits: Any
+  hidden: Any
+  mtp_hidden: Any
+  indexer_kl: Any
+  mtp_indexer_kl: Any
+  expert_load: Any
+  mtp_expert_load: Any
+  topk_indices: Any = None
+
+
+class Embed(nn.Module):
+  cfg: "ModelConfig"  # noqa: F821
+
+  @nn.compact
+  def __call__(self, tokens_bt):
+    cfg = self.cfg
+    table = P.param(self, "embedding", P.dense_init(cfg), (cfg.vocab_size, cfg.hidden_size),
+                    ("vocab", "embed"), cfg.param_dtype)
+    return jnp.take(table, tokens_bt, axis=0).astype(cfg.dtype)
+
+
+class Head(nn.Module):
+  """lm_head: float32 logits [.., V] = h [.., d] @ kernel [d, V]."""
+  cfg: "ModelConfig"  # noqa: F821
+
+  @nn.compact
+  def __call__(self, h, return_logits=True):
+    cfg = self.cfg
+    kernel = P.param(self, "kernel", P.dense_init(cfg), (cfg.hidden_size, cfg.vocab_size),
+                     ("embed", "vocab"), cfg.param_dtype)
+    if not return_logits:
+      return None
+    return jnp.einsum("...d,dv->...v", h, kernel.astype(h.dtype),
+                      preferred_element_type=jnp.float32)
+
+
+def _check_tokens(cfg, tokens):
+  if tokens.ndim != 2:
+    raise ValueError(f"tokens: expected int [batch, seq], got shape {tokens.shape}")
+  if not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise ValueError(f"tokens: expected an integer dtype, got {tokens.dtype}")
+  if tokens.shape[1] > cfg.max_position_embeddings:
+    raise ValueError(f"sequence length {tokens.shape[1]} > ModelConfig.max_position_embeddings="
+                     f"{cfg.max_position_embeddings}")
+
+
+class GLM5(nn.Module):
+  """The GLM-5 causal LM. `GLM5(cfg).apply({'params': p}, tokens)` -> ModelOutput."""
+  cfg: "ModelConfig"  # noqa: F821
+
+  @nn.compact
+  def __call__(self, tokens, positions=None, *, with_indexer_loss: bool = False,
+               return_logits: bool = True, return_topk: bool = False, mtp: bool | None = None):
+    """Forward pass.
+
+    Args:
+      tokens: int32 [b, t].
+      positions: int32 [b, t] RoPE positions (default 0..t-1).
+      with_indexer_loss: also compute the per-layer indexer KL (dense form for
+        `attention_type="dense"`, sparse form for "sparse"; spec §2.5).
+      return_logits: False skips the [b, t, V] logits (use `hidden` with
+        `losses.chunked_cross_entropy`).
+      return_topk: return each layer's DSA top-k indices.
+      mtp: run the MTP steps (default: whenever the config has MTP).
+    """
+    cfg = self.cfg
+    _check_tokens(cfg, tokens)
+    b, t = tokens.shape
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    cos, sin = rope.rope_angles(positions, cfg.qk_rope_head_dim, cfg.rope_theta)
+    embed = Embed(cfg, name="embed")
+    head = Head(cfg, name="lm_head")
+    final_norm = norms.RMSNorm(cfg.rms_norm_eps, param_dtype=cfg.param_dtype, name="final_norm")
+    layer_cls = decoder_lib.remat_layer(cfg)
+
+    h = embed(tokens)
+    kls, loads, all_idx, indices = [], [], [], None
+    for i in range(cfg.num_hidden_layers):
+      full = cfg.indexer_type(i) == "full"
+      h, idx, kl, load = layer_cls(cfg, moe=cfg.is_moe_layer(i), has_indexer=full,
+                                   name=f"layers_{i}")(h, cos, sin, indices, with_indexer_loss)
+      indices = idx if idx is not None else indices
+      kls.append(kl if kl is not None else jnp.zeros((), jnp.float32))
+      all_idx.append(idx)
+      if load is not None:
+        loads.append(load)
+    h_final = h
+    hidden = final_norm(h)
+    logits = head(hidden, return_logits)
+
+    run_mtp = cfg.has_mtp if mtp is None else (mtp and cfg.has_mtp)
+    mtp_logits = mtp_hidden = mtp_kl = mtp_load = None
+    if cfg.num_nextn_predict_layers and (run_mtp or self.is_initializing()):
+      step = mtp_lib.MTPStep(cfg, name="mtp")                # one module, D calls: shared weights
+      hs, normed, step_kl, step_load = h_final, [], [], []
+      for k in range(1, max(cfg.mtp_num_steps, 1) + 1):
+        emb_k = embed(mtp_lib.shift_tokens(tokens, k))
+        hs, n_k, _, kl, load = step(emb_k, hs, cos, sin, with_indexer_loss)
+        normed.append(n_k)
+        step_kl.append(kl if kl is not None else jnp.zeros((), jnp.float32))
+        step_load.append(load)
+      mtp_hidden = jnp.stack(normed)
+      mtp_logits = head(mtp_hidden, return_logits)
+      mtp_kl = jnp.stack(step_kl) if with_indexer_loss else None
+      mtp_load = jnp.stack(step_load) if step_load[0] is not None else None
+
+    return ModelOutput(
+        logits=logits, mtp_logits=mtp_logits, hidden=hidden, mtp_hidden=mtp_hidden,
+        indexer_kl=jnp.stack(kls) if with_indexer_loss else None, mtp_indexer_kl=mtp_kl,
+        expert_load=jnp.stack(loads) if loads else jnp.zeros((0, cfg.n_routed_experts)),
+        mtp_expert_load=mtp_load, topk_indices=tuple(all_idx) if return_topk else None)
+
+
+def init_params(cfg, rng, *, on_host: bool = True):
+  """Random parameters (unboxed plain arrays) for `cfg`.
+
+  on_host=True draws them with numpy from the shapes of `jax.eval_shape` and
+  the same rule the modules' initializers follow (`params.host_initializer`):
+  no XLA compilation, which on CPU costs about a second per parameter for
+  threefry. on_host=False runs `GLM5.init` under jit (the way to initialize
+  directly into a sharding; see glm5_jax.sharding).
+
+  Args:
+    cfg: ModelConfig.
+    rng: a jax PRNG key or an int seed.
+    on_host: see above.
+  """
+  if not on_host:
+    key = jax.random.PRNGKey(rng) if isinstance(rng, int) else rng
+    variables = jax.jit(GLM5(cfg).init)(key, jnp.zeros((1, 8), jnp.int32))
+    return nn.unbox(variables["params"])
+  seed = rng if isinstance(rng, int) else np.asarray(jax.random.key_data(rng)).ravel().tolist()
+  gen = np.random.default_rng(seed)
+  shapes, _ = abstract_params(cfg)
+  def draw(path, s):
+    return jnp.asarray(P.host_initializer(path, cfg)(gen, s.shape), s.dtype)
+  return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
+def abstract_params(cfg):
+  """(ShapeDtypeStruct tree, logical PartitionSpec tree) with nothing allocated."""
+  boxed = jax.eval_shape(lambda: GLM5(cfg).init(jax.random.PRNGKey(0),
+                                                jnp.zeros((1, 8), jnp.int32)))["params"]
+  return nn.unbox(boxed), nn.get_partition_spec(boxed)

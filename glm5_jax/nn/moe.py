@@ -1,0 +1,135 @@
+"""Feed-forward blocks: dense SwiGLU and the sigmoid-routed MoE with a shared expert.
+
+Spec §2.6 ("noaux_tc", DeepSeek-V3 §2.1.2). Notation: n tokens, d hidden,
+E routed experts, K experts per token, I expert width, G groups.
+
+Routing
+  a = sigmoid(x W_g)                        float32 [n, E]
+  c = a + b                                 b = e_score_correction_bias: selection only,
+                                            never trained by gradient (stop_gradient)
+  if G > 1: keep the topk_group groups with the largest sum of their top-2 c
+  E_t = top-K of c (ties -> lower expert id)
+  g_e = a_e / (sum_{E_t} a + 1e-20) * routed_scaling_factor
+
+Dropless dispatch (design.md decision 7): the n*K (token, expert) pairs are
+sorted by expert and run as grouped matmuls with `jax.lax.ragged_dot`; nothing
+is dropped, there is no capacity factor.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from glm5_jax.nn import params as P
+
+
+def swiglu(x, w_gate, w_up, w_down):
+  """down(silu(x W_gate) * (x W_up))."""
+  return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+
+class MLP(nn.Module):
+  """Dense SwiGLU FFN (layers < first_k_dense_replace, and the shared expert)."""
+  cfg: "ModelConfig"  # noqa: F821
+  width: int
+  axis: str = "mlp"
+
+  @nn.compact
+  def __call__(self, x_btd):
+    cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+    d, f, init, pd = cfg.hidden_size, self.width, P.dense_init(self.cfg), cfg.param_dtype
+    w_gate = P.param(self, "w_gate", init, (d, f), ("embed", self.axis), pd)
+    w_up = P.param(self, "w_up", init, (d, f), ("embed", self.axis), pd)
+    w_down = P.param(self, "w_down", init, (f, d), (self.axis, "embed"), pd)
+    return swiglu(x_btd.astype(dt), w_gate.astype(dt), w_up.astype(dt), w_down.astype(dt))
+
+
+def route(cfg, x_nd, router_de, bias_e):
+  """Sigmoid top-K routing. Returns (expert ids int32 [n, K], weights f32 [n, K])."""
+  scores = jax.nn.sigmoid(x_nd.astype(jnp.float32) @ router_de.astype(jnp.float32))
+  choice = scores + jax.lax.stop_gradient(bias_e.astype(jnp.float32))
+  if cfg.n_group > 1:
+    n, e = choice.shape
+    grouped = choice.reshape(n, cfg.n_group, e // cfg.n_group)
+    group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)          # [n, G]
+    _, keep = jax.lax.top_k(group_scores, cfg.topk_group)                   # [n, topk_group]
+    group_ok = jnp.any(jax.nn.one_hot(keep, cfg.n_group, dtype=jnp.bool_), axis=1)
+    choice = jnp.where(jnp.repeat(group_ok, e // cfg.n_group, axis=1), choice, -jnp.inf)
+  _, ids = jax.lax.top_k(choice, cfg.num_experts_per_tok)
+  weights = jnp.take_along_axis(scores, ids, axis=-1)
+  if cfg.norm_topk_prob:
+    weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+  return ids.astype(jnp.int32), weights * cfg.routed_scaling_factor
+
+
+def grouped_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid):
+  """sum_k weights[n,k] * Expert_{ids[n,k]}(x[n]) via sort + ragged_dot (dropless).
+
+  Returns (y [n, d], tokens per expert int32 [E]).
+  """
+  n, k = ids_nk.shape
+  e = w_gate_edi.shape[0]
+  flat_ids = ids_nk.reshape(-1)                                  # [n*K]
+  order = jnp.argsort(flat_ids, stable=True)
+  token_of = order // k                                          # source token of each row
+  xs = x_nd[token_of]                                            # [n*K, d], sorted by expert
+  group_sizes = jnp.bincount(flat_ids, length=e).astype(jnp.int32)
+  h = (jax.nn.silu(jax.lax.ragged_dot(xs, w_gate_edi, group_sizes))
+       * jax.lax.ragged_dot(xs, w_up_edi, group_sizes))
+  ys = jax.lax.ragged_dot(h, w_down_eid, group_sizes)            # [n*K, d]
+  ys = ys * weights_nk.reshape(-1)[order][:, None].astype(ys.dtype)
+  y = jnp.zeros_like(x_nd).at[token_of].add(ys)
+  return y, group_sizes
+
+
+class MoE(nn.Module):
+  """Routed experts + shared expert. Returns (y [b,t,d], expert load fraction f32 [E])."""
+  cfg: "ModelConfig"  # noqa: F821
+
+  @nn.compact
+  def __call__(self, x_btd):
+    cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+    d, i = cfg.hidden_size, cfg.moe_intermediate_size
+    router = Router(cfg, name="router")
+    experts = Experts(cfg, name="experts")
+    b, t, _ = x_btd.shape
+    x = x_btd.reshape(b * t, d)
+    ids, weights = router(x)
+    w_gate, w_up, w_down = experts()
+    y, counts = grouped_swiglu(x.astype(dt), ids, weights, w_gate.astype(dt), w_up.astype(dt),
+                               w_down.astype(dt))
+    y = y.reshape(b, t, d)
+    if cfg.n_shared_experts:
+      y = y + MLP(cfg, i * cfg.n_shared_experts, name="shared")(x_btd)
+    return y, counts.astype(jnp.float32) / (b * t * cfg.num_experts_per_tok)
+
+
+class Router(nn.Module):
+  """Router weights [d, E] and the e_score_correction_bias [E] (no gradient)."""
+  cfg: "ModelConfig"  # noqa: F821
+
+  @nn.compact
+  def __call__(self, x_nd):
+    cfg = self.cfg
+    kernel = P.param(self, "kernel", P.dense_init(cfg), (cfg.hidden_size, cfg.n_routed_experts),
+                     ("embed", "router_experts"), "float32")
+    bias = P.param(self, "e_score_correction_bias", nn.initializers.zeros,
+                   (cfg.n_routed_experts,), ("router_experts",), "float32")
+    return route(cfg, x_nd, kernel, bias)
+
+
+class Experts(nn.Module):
+  """Stacked routed-expert weights: w_gate, w_up [E, d, I], w_down [E, I, d]."""
+  cfg: "ModelConfig"  # noqa: F821
+
+  @nn.compact
+  def __call__(self):
+    cfg = self.cfg
+    e, d, i, pd, init = (cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                         cfg.param_dtype, P.dense_init(cfg))
+    w_gate = P.param(self, "w_gate", init, (e, d, i), ("expert", "embed", "moe_mlp"), pd)
+    w_up = P.param(self, "w_up", init, (e, d, i), ("expert", "embed", "moe_mlp"), pd)
+    w_down = P.param(self, "w_down", init, (e, i, d), ("expert", "moe_mlp", "embed"), pd)
+    return w_gate, w_up, w_down

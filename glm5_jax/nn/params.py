@@ -1,0 +1,34 @@
+"""Parameter creation with logical axis names (design.md decision 1)."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+
+
+def param(module: nn.Module, name: str, init, shape, axes, dtype):
+  """Creates `module.<name>` with logical axis names `axes` (one per dim)."""
+  if len(axes) != len(shape):
+    raise ValueError(f"{name}: {len(axes)} axis names {axes} for shape {shape}")
+  return module.param(name, nn.with_logical_partitioning(init, tuple(axes)), tuple(shape),
+                      jnp.dtype(dtype))
+
+
+def dense_init(cfg):
+  """HF `_init_weights`: normal(0, initializer_range) for every matrix."""
+  return nn.initializers.normal(stddev=cfg.initializer_range)
+
+
+def host_initializer(path, cfg):
+  """numpy initializer following the modules' rule: `scale` -> 1, biases -> 0, else N(0, std).
+
+  `path` is a jax key path; the rule looks at the leaf name only. Kept next to
+  `dense_init` so that both stay one rule (tests/test_model.py checks them).
+  """
+  name = str(getattr(path[-1], "key", path[-1]))
+  if name == "scale":
+    return lambda gen, shape: np.ones(shape, np.float32)
+  if name in ("bias", "e_score_correction_bias"):
+    return lambda gen, shape: np.zeros(shape, np.float32)
+  return lambda gen, shape: gen.normal(0.0, cfg.initializer_range, shape).astype(np.float32)

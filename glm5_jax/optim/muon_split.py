@@ -1,0 +1,260 @@
+"""Muon Split: the GLM-5 optimizer, as one optax GradientTransformation.
+
+GLM-5 (arXiv 2602.15763, §2.1 "Muon Split") trains with Muon, but orthogonalizes MLA's
+up-projections W^UQ, W^UK, W^UV per attention head: plain whole-matrix Muon on them
+underperformed GQA-8, the per-head split matched it. Here that is a choice of
+`MuonDimensionNumbers(reduction_axis=0, output_axis=-1)` on the head-major weights
+`[rank, h, head_dim]` (design.md decision 3): heads are batch axes of optax's
+Newton–Schulz, orthogonalized independently.
+
+What goes where (`param_groups.py` has the rule table):
+  muon_split  W^UQ `wq_b`, W^UK `w_uk`, W^UV `w_uv`: per-head Newton–Schulz.
+  muon        every other hidden matrix, routed experts per expert.
+  adamw       token embedding, output head, norm scales and biases. This is the Muon recipe of
+              Keller Jordan (modded-nanogpt) and Moonlight (Liu et al. 2025, arXiv 2502.16982,
+              §2 and its released code): Muon is steepest descent for matrices that map hidden
+              states to hidden states; the embedding is a lookup table (one row per token, no
+              matrix geometry), the output head's rows are per-token logits, and vectors are not
+              matrices. GLM-4.5 (arXiv 2508.06471 §3, which GLM-5 continues) uses "Muon for all
+              parameters except word embedding, bias, and weights for RMSNorm"; we also keep
+              the untied output head on AdamW as Moonlight does.
+  (fixed)     `e_score_correction_bias` is set by the training loop from expert load, never
+              by gradient: it gets a zero update (labelled "adamw" in `param_groups`).
+
+Update per Muon leaf (optax.contrib.scale_by_muon, then ours):
+  m_t = β m_{t-1} + (1-β) g_t (bias-corrected; Nesterov: β m̂_t + (1-β) ĝ_t)
+  O_t = NS5(m_t) per block      (quintic Newton–Schulz, coefficients 3.4445, -4.7750, 2.0315)
+  W  ← W - lr_t (s · O_t + wd · W),  s = c · sqrt(max(fan_in, fan_out))   (Moonlight eq. 4,
+                                     "consistent RMS": update RMS ≈ c = 0.2, like AdamW's)
+`rms_shape` picks the (fan_in, fan_out) used for s on the muon_split leaves: "per_head"
+(`[rank, head_dim]`, so every block's update RMS is ≈ c, as Moonlight intends) or "full"
+(`[rank, h * head_dim]`, the scale whole-matrix Muon would use: sqrt(h) times larger when
+h * head_dim > rank). The paper does not say which; the default is "per_head".
+With `consistent_rms=None` the scale is Keller Jordan's `sqrt(max(1, fan_out / fan_in))`.
+AdamW leaves: decoupled weight decay only on matrices (embedding, output head), not on norm
+scales or biases. Frozen leaves (`frozen` mask) and fixed leaves get exactly zero updates and
+hold no optimizer state.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from optax.contrib import MuonDimensionNumbers as MDN
+from optax.contrib import scale_by_muon
+
+from glm5_jax.optim import param_groups as pg
+
+_RMS_SHAPES = ("per_head", "full")
+_NS_COEFFS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic; optax's default
+
+Mask = Any  # a pytree of bools (or a prefix of params), or a callable params -> such a tree
+
+
+def _scale(shape: tuple[int, ...], dims: MDN, consistent_rms: float | None) -> float:
+  """Moonlight's c·sqrt(max(fan_in, fan_out)), or Keller Jordan's sqrt(max(1, out/in)).
+
+  fan_in / fan_out are the products of the reduction / output axes of one block (batch axes,
+  i.e. heads or experts, excluded), as in optax.contrib._muon._get_shape_products.
+  """
+  axes = lambda a: (a,) if isinstance(a, int) else tuple(a)
+  fan_in = math.prod(shape[a] for a in axes(dims.reduction_axis))
+  fan_out = math.prod(shape[a] for a in axes(dims.output_axis))
+  if consistent_rms is None:
+    return math.sqrt(max(1.0, fan_out / fan_in))
+  return consistent_rms * math.sqrt(max(fan_in, fan_out))
+
+
+def _dims_fn(which: str) -> Callable[[Any], Any]:
+  """Dimension numbers of a (masked) update tree; `which` in {'split', 'full'} picks the
+  muon_split leaves' dims. MaskedNode subtrees (other groups) are kept as they are."""
+  return lambda tree: pg.map_rules(
+      lambda r, _: r.full_dims if (which == "full" and r.full_dims) else r.dims, tree)
+
+
+def scale_by_shape(dims_fn: Callable[[Any], Any],
+                   consistent_rms: float | None) -> optax.GradientTransformation:
+  """Multiplies each leaf by `_scale(shape, dims)`; `dims_fn(updates)` gives the dims tree."""
+  def update_fn(updates, state, params=None):
+    del params
+    scaled = jax.tree.map(lambda u, d: u * _scale(u.shape, d, consistent_rms),
+                          updates, dims_fn(updates))
+    return scaled, state
+  return optax.GradientTransformation(optax.init_empty_state, update_fn)
+
+
+def _broadcast_mask(mask: Mask | None, tree: Any) -> Any:
+  """A bool tree shaped like `tree` from a mask tree, a prefix of it, a callable, or None."""
+  if mask is None:
+    return jax.tree.map(lambda _: False, tree)
+  if callable(mask):
+    mask = mask(tree)
+  return jax.tree.map(lambda m, sub: jax.tree.map(lambda _: bool(m), sub), mask, tree)
+
+
+def _check(name: str, value: Any, ok: bool, expected: str) -> None:
+  if not ok:
+    raise ValueError(f"muon_split({name}={value!r}): expected {expected}")
+
+
+def muon_split(
+    *,
+    learning_rate: optax.ScalarOrSchedule = 2e-3,
+    adam_learning_rate: optax.ScalarOrSchedule | None = None,
+    weight_decay: float = 0.1,
+    beta: float = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    ns_coeffs: tuple[float, float, float] = _NS_COEFFS,
+    consistent_rms: float | None = 0.2,
+    rms_shape: str = "per_head",
+    split_heads: bool = True,
+    adam_b1: float = 0.9,
+    adam_b2: float = 0.95,
+    eps: float = 1e-8,
+    frozen: Mask | None = None,
+    mu_dtype: Any = None,
+) -> optax.GradientTransformation:
+  """The GLM-5 optimizer: Muon Split + Muon + AdamW over one GLM-5 parameter tree.
+
+  Args:
+    learning_rate: float or optax schedule, shared by all groups (with consistent RMS, Muon
+      and AdamW updates have the same RMS, so one learning rate serves both: Moonlight §2.2).
+    adam_learning_rate: a separate float or schedule for the AdamW group; None = learning_rate.
+    weight_decay: decoupled weight decay λ (W ← W - lr·λ·W) on Muon leaves and AdamW matrices.
+    beta: Muon momentum.
+    nesterov: Nesterov momentum for Muon.
+    ns_steps, ns_coeffs: Newton–Schulz iterations and quintic coefficients.
+    consistent_rms: c in the update scale c·sqrt(max(fan_in, fan_out)); None = Keller Jordan's
+      sqrt(max(1, fan_out/fan_in)).
+    rms_shape: "per_head" | "full": the shape the scale is computed on for muon_split leaves.
+    split_heads: True = Muon Split (per-head Newton–Schulz on W^UQ/W^UK/W^UV); False =
+      whole-matrix Muon on the same weights (the ablation baseline).
+    adam_b1, adam_b2, eps: AdamW moments and epsilon (eps is also Muon's NS epsilon).
+    frozen: True on leaves that must not change (no update, no weight decay, no state): a bool
+      tree, a prefix of params, or a callable params -> bool tree (see `path_mask`).
+    mu_dtype: dtype of the momentum buffers (None = the params' dtype).
+
+  Returns:
+    An optax GradientTransformation; `update` needs `params` (weight decay).
+  """
+  _check("rms_shape", rms_shape, rms_shape in _RMS_SHAPES, f"one of {_RMS_SHAPES}")
+  _check("consistent_rms", consistent_rms, consistent_rms is None or consistent_rms > 0,
+         "None or a positive float (Moonlight: 0.2)")
+  _check("weight_decay", weight_decay, weight_decay >= 0, "a float >= 0")
+  _check("beta", beta, 0 <= beta < 1, "a float in [0, 1)")
+  _check("ns_steps", ns_steps, isinstance(ns_steps, int) and ns_steps >= 1, "an int >= 1")
+  _check("adam_b1", adam_b1, 0 <= adam_b1 < 1, "a float in [0, 1)")
+  _check("adam_b2", adam_b2, 0 <= adam_b2 < 1, "a float in [0, 1)")
+  if adam_learning_rate is None:
+    adam_learning_rate = learning_rate
+
+  def muon_chain(ns_dims: str, scale_dims: str) -> optax.GradientTransformation:
+    return optax.chain(
+        scale_by_muon(ns_coeffs=ns_coeffs, ns_steps=ns_steps, beta=beta, eps=eps,
+                      mu_dtype=mu_dtype, nesterov=nesterov,
+                      weight_dimension_numbers=_dims_fn(ns_dims)),
+        scale_by_shape(_dims_fn(scale_dims), consistent_rms),
+        optax.add_decayed_weights(weight_decay),
+        optax.scale_by_learning_rate(learning_rate),
+    )
+
+  adamw = optax.chain(
+      optax.scale_by_adam(b1=adam_b1, b2=adam_b2, eps=eps, mu_dtype=mu_dtype),
+      optax.add_decayed_weights(weight_decay,
+                                mask=lambda t: jax.tree.map(lambda x: x.ndim >= 2, t)),
+      optax.scale_by_learning_rate(adam_learning_rate),
+  )
+  transforms = {
+      "muon_split": muon_chain("split" if split_heads else "full",
+                               "split" if rms_shape == "per_head" else "full"),
+      "muon": muon_chain("split", "split"),
+      "adamw": adamw,
+      "frozen": optax.set_to_zero(),
+  }
+
+  def labels(tree):
+    groups = pg.param_groups(tree)
+    still = jax.tree.map(lambda a, b: a or b, pg.fixed_mask(tree), _broadcast_mask(frozen, tree))
+    return jax.tree.map(lambda g, s: "frozen" if s else g, groups, still)
+
+  return optax.partition(transforms, labels)
+
+
+def reset(tx: optax.GradientTransformation, opt_state: Any, params: Any) -> Any:
+  """A fresh `tx.init(params)`, checked against and placed like `opt_state`.
+
+  For the asynchronous RL loop, which resets the optimizer after each weight push (GLM-5 §3).
+  Everything restarts: moments, step counts, and the learning-rate schedule's count. Concrete
+  leaves keep `opt_state`'s shardings, so a jitted step does not recompile; under `jax.jit` the
+  caller's out_shardings apply.
+  """
+  fresh = tx.init(params)
+  want, got = jax.tree.structure(fresh), jax.tree.structure(opt_state)
+  if want != got:
+    raise ValueError(f"reset(opt_state=...): the state's tree structure {got} is not that of "
+                     f"tx.init(params) {want}: was it made by another optimizer?")
+
+  def place(new, old):
+    if isinstance(old, jax.Array) and not isinstance(old, jax.core.Tracer):
+      return jax.device_put(new, old.sharding)
+    return new
+  return jax.tree.map(place, fresh, opt_state)
+
+
+def group_norms(tree: Any, params: Any, prefix: str = "update") -> dict[str, jax.Array]:
+  """`{prefix}_norm/{group}` and `{prefix}_rms/{group}` of `tree` (same structure as params)
+  for each of GROUPS that has leaves, plus the totals `{prefix}_norm` and `{prefix}_rms`."""
+  groups = jax.tree.leaves(pg.param_groups(params))
+  leaves = jax.tree.leaves(tree)
+  if len(groups) != len(leaves):
+    raise ValueError(f"group_norms: tree has {len(leaves)} leaves, params {len(groups)}")
+  out = {}
+  for name in pg.GROUPS + (None,):
+    sel = [x for x, g in zip(leaves, groups) if name is None or g == name]
+    if not sel:
+      continue
+    sumsq = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in sel)
+    size = sum(x.size for x in sel)
+    key = "" if name is None else f"/{name}"
+    out[f"{prefix}_norm{key}"] = jnp.sqrt(sumsq)
+    out[f"{prefix}_rms{key}"] = jnp.sqrt(sumsq / size)
+  return out
+
+
+def update_metrics(updates: Any, params: Any) -> dict[str, jax.Array]:
+  """Scalars a training loop can log: update RMS and norm, parameter norm, and their ratio,
+  per group and in total. Jit-able; frozen leaves count with their zero update."""
+  m = {**group_norms(updates, params, "update"), **group_norms(params, params, "param")}
+  for key in [k for k in m if k.startswith("update_norm")]:
+    suffix = key[len("update_norm"):]
+    m[f"update_to_param{suffix}"] = m[key] / (m[f"param_norm{suffix}"] + 1e-12)
+  return m
+
+
+def state_shardings(opt_state: Any, params: Any, param_shardings: Any, default: Any) -> Any:
+  """Shardings for an optimizer state, mirroring the parameters' shardings.
+
+  A state leaf whose key path ends with a parameter's key path and has its shape (Muon and
+  Adam moments) gets that parameter's sharding; every other leaf (step counts, NS
+  coefficients) gets `default` (e.g. a replicated NamedSharding). `opt_state` may be
+  `jax.eval_shape(tx.init, params)`, so the state is never built unsharded:
+    `jax.jit(tx.init, out_shardings=state_shardings(...))(params)`.
+  """
+  by_path = {}
+  for (path, p), s in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                          jax.tree.leaves(param_shardings)):
+    by_path[tuple(map(pg.key_name, path))] = (tuple(p.shape), s)
+
+  def pick(path, leaf):
+    names = tuple(map(pg.key_name, path))
+    for start in range(len(names)):
+      hit = by_path.get(names[start:])
+      if hit is not None and hit[0] == tuple(leaf.shape):
+        return hit[1]
+    return default
+  return jax.tree_util.tree_map_with_path(pick, opt_state)

@@ -1,0 +1,78 @@
+"""Backend choice and small helpers shared by the Pallas kernels.
+
+Each op has a TPU lowering (Mosaic, `tpu.py`) and a GPU lowering (Pallas
+Triton, `gpu.py`). `dispatch` picks one:
+
+  backend="tpu" | "gpu"   that lowering, whatever the platform (tests, export).
+  backend=None, interpret the lowering of the default backend ("gpu" on a GPU
+                          host, else "tpu"), run by the Pallas interpreter.
+  backend=None            `lax.platform_dependent`: the lowering platform picks
+                          the kernel, so `jax.export(..., platforms=["tpu"])`
+                          from a CPU host gets the TPU kernel and
+                          `platforms=["cuda"]` the Triton one.
+
+Interpret mode for the TPU kernels uses `pltpu.InterpretParams()`, which
+simulates HBM, VMEM, SMEM, DMAs and semaphores (DMAs land only when waited on,
+fresh scratch is NaN, out-of-bounds reads raise), so a missing wait or a read of
+an unwritten buffer shows up on CPU. The Triton kernels use the generic
+interpreter (`interpret=True`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+
+BACKENDS = ("tpu", "gpu")
+
+
+def check_backend(backend: str | None, where: str):
+  if backend is not None and backend not in BACKENDS:
+    raise ValueError(f"{where}: backend={backend!r}, expected None or one of {BACKENDS}")
+
+
+def dispatch(fns: dict[str, Callable[..., Any]], backend: str | None, interpret: Any,
+             *args):
+  """Calls fns["tpu"] or fns["gpu"] on args, as described in the module docstring."""
+  if backend is None and interpret:
+    backend = "gpu" if jax.default_backend() == "gpu" else "tpu"
+  if backend is not None:
+    return fns[backend](*args)
+  return jax.lax.platform_dependent(*args, tpu=fns["tpu"], cuda=fns["gpu"])
+
+
+def tpu_interpret(interpret: Any):
+  """The `interpret=` argument for a TPU pallas_call: True -> InterpretParams()."""
+  if interpret is True:
+    return pltpu.InterpretParams()
+  return interpret
+
+
+def gpu_interpret(interpret: Any) -> bool:
+  return bool(interpret)
+
+
+def pad_to(x, axis: int, multiple: int, value=0):
+  """Pads `x` at the end of `axis` to a multiple of `multiple` with `value`."""
+  pad = (-x.shape[axis]) % multiple
+  if pad == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, pad)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def next_pow2(n: int, minimum: int = 1) -> int:
+  """Smallest power of two >= max(n, minimum) (Triton block dims are powers of two)."""
+  n = max(n, minimum)
+  return 1 << (n - 1).bit_length()
+
+
+def dot_precision(dtype):
+  """HIGHEST for float32 operands (no TF32 / bf16 passes), DEFAULT otherwise."""
+  if jnp.dtype(dtype) == jnp.float32:
+    return jax.lax.Precision.HIGHEST
+  return jax.lax.Precision.DEFAULT

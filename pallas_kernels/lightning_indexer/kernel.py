@@ -1,0 +1,110 @@
+"""Lightning-indexer top-k with a Pallas score kernel (`impl="pallas"`).
+
+Steps, per chunk of c queries (`lax.map`, so peak memory is O(b * c * s)
+float32 and the full [t, s] score matrix never exists):
+  1. the Pallas kernel (`tpu.py` Mosaic, `gpu.py` Triton) computes the chunk's
+     scores tile by tile on chip, skipping causal-dead tiles;
+  2. `reference.deterministic_topk` (the one selection function of design.md
+     decision 5: descending score, ties -> lower key position, -1 fill) reduces
+     them to the top-k of each query.
+Because step 2 is the reference's own function, the selection equals
+`topk_indices_reference` whenever the scores are equal; they are computed by the
+same products summed in a different order, so they agree to float32 rounding
+(exactly, for inputs whose sums are exact, such as the tied-score tests), and
+the kernel is bit-reproducible run to run.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _backend
+from pallas_kernels.lightning_indexer import gpu
+from pallas_kernels.lightning_indexer import reference
+from pallas_kernels.lightning_indexer import tpu
+
+DEFAULT_CHUNK = 256
+
+
+def _tiles(backend: str, t: int, s: int, block_q: int | None, block_k: int | None):
+  """(tq, bk) for this backend and shape; small problems use one whole-dimension tile."""
+  if backend == "tpu":
+    tq = block_q or tpu.DEFAULT_BLOCK_Q
+    bk = block_k or tpu.DEFAULT_BLOCK_K
+    if tq % 8 or bk % 8:
+      raise ValueError(f"topk_indices: block_q={tq}, block_k={bk}, expected multiples of 8 "
+                       "for the TPU kernel (block_k: of 128 on hardware)")
+    # A tile larger than the problem becomes one whole-dimension tile (always a legal block).
+    return (t if t < tq else tq), (-(-s // 8) * 8 if s < bk else bk)
+  tq = block_q or gpu.DEFAULT_BLOCK_Q
+  bk = block_k or gpu.DEFAULT_BLOCK_K
+  for name, val in (("block_q", tq), ("block_k", bk)):
+    if val < gpu.MIN_DIM or val & (val - 1):
+      raise ValueError(f"topk_indices: {name}={val}, expected a power of two >= {gpu.MIN_DIM} "
+                       "for the GPU kernel")
+  return (min(tq, _backend.next_pow2(t, gpu.MIN_DIM)),
+          min(bk, _backend.next_pow2(s, gpu.MIN_DIM)))
+
+
+def _scores_fn(backend: str, block_q: int, block_k: int, interpret):
+  mod = tpu if backend == "tpu" else gpu
+  return functools.partial(mod.index_scores_chunk, block_q=block_q, block_k=block_k,
+                           interpret=interpret)
+
+
+def _topk_one_backend(backend, topk, chunk_size, block_q, block_k, interpret, q, k, w):
+  b, t, h_i, d = q.shape
+  s = k.shape[1]
+  tq, bk = _tiles(backend, t, s, block_q, block_k)
+  c = min(-(-chunk_size // tq) * tq, -(-t // tq) * tq)
+  n_chunks = -(-t // c)
+  if backend == "gpu":                       # Triton: d a power of two >= 16
+    d_p = _backend.next_pow2(d, gpu.MIN_DIM)
+    q, k = _backend.pad_to(q, 3, d_p), _backend.pad_to(k, 2, d_p)
+  k_p = _backend.pad_to(k, 1, bk)
+  # [n, b, h_i, c, d] query chunks, heads leading; [n, b, c, h_i] weights.
+  q_c = _backend.pad_to(q, 1, c).reshape(b, n_chunks, c, h_i, -1).transpose(1, 0, 3, 2, 4)
+  w_c = _backend.pad_to(w, 1, c).reshape(b, n_chunks, c, h_i).swapaxes(0, 1)
+  limit_c = _backend.pad_to(reference.causal_limit(t, s), 0, c).reshape(n_chunks, c)
+  q0_c = (jnp.arange(n_chunks, dtype=jnp.int32) * c + (s - t)).reshape(n_chunks, 1)
+  scores_fn = _scores_fn(backend, tq, bk, interpret)
+
+  def one_chunk(args):
+    q_bjcd, w_bcj, limit, q0 = args
+    scores_bcs = scores_fn(q0, q_bjcd, k_p, w_bcj)[:, :, :s]
+    return reference.deterministic_topk(scores_bcs, limit, topk)
+
+  idx = jax.lax.map(one_chunk, (q_c, w_c, limit_c, q0_c))   # [n, b, c, topk]
+  return idx.swapaxes(0, 1).reshape(b, n_chunks * c, topk)[:, :t]
+
+
+def topk_indices(q, k, w, topk: int, *, interpret=False, backend: str | None = None,
+                 chunk_size: int = DEFAULT_CHUNK, block_q: int | None = None,
+                 block_k: int | None = None):
+  """Top-k key positions per query by lightning-indexer score (Pallas scores).
+
+  Args:
+    q: [b, t, h_i, d_i] indexer queries, RoPE applied, d_i**-0.5 folded in.
+    k: [b, s, d_i] indexer keys, RoPE applied; s >= t.
+    w: [b, t, h_i] per-head weights, h_i**-0.5 folded in.
+    topk: slots per query.
+    interpret: run the score kernel in the Pallas interpreter (CPU): True, or a
+      `pltpu.InterpretParams` for the TPU kernel.
+    backend: "tpu", "gpu", or None (see `pallas_kernels._backend`).
+    chunk_size: queries per chunk; peak memory O(b * chunk_size * s) float32.
+    block_q, block_k: score tile (tq, bk). TPU: multiples of 8 (bk of 128 on
+      hardware; defaults 128, 512). GPU: powers of two >= 16 (defaults 32, 64).
+
+  Returns:
+    int32 [b, t, topk], as `reference.topk_indices_reference`.
+  """
+  _backend.check_backend(backend, "topk_indices")
+  if chunk_size < 1:
+    raise ValueError(f"topk_indices: chunk_size={chunk_size}, expected a positive int")
+  fns = {name: functools.partial(_topk_one_backend, name, topk, chunk_size, block_q, block_k,
+                                 interpret)
+         for name in _backend.BACKENDS}
+  return _backend.dispatch(fns, backend, interpret, q, k, w)

@@ -1,0 +1,103 @@
+"""Lightning indexer reference: scores and deterministic causal top-k in plain jnp.
+
+DeepSeek-V3.2 paper §2.1 eq. (1); GLM-5 spec §2.4:
+
+    I[t, s] = sum_j w[t, j] * ReLU(q[t, j] . k[s])
+
+Notation: b batch, t query positions, s key positions, j indexer heads (h_i),
+d indexer head dim (d_i), k top-k. The caller folds the scales into the inputs
+(d_i**-0.5 into q, h_i**-0.5 into w): `ReLU(c*x) = c*ReLU(x)` for c > 0.
+
+Query i of a block of t queries sits at absolute position `s - t + i` (prefill:
+t == s; decode / chunked prefill: t < s) and may see keys j <= s - t + i.
+
+Determinism (design.md decision 5): the selection is ordered by descending
+score, ties broken by the LOWER key position, and slots beyond the number of
+causal keys hold -1. `deterministic_topk` is the one function that implements
+this rule; the trainer, the rollout engine and every kernel use it.
+
+`topk_indices_reference` processes queries in chunks (`lax.map`), so peak
+memory is O(b * chunk * s), never the full [t, s] score matrix.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def index_scores(q_btjd, k_bsd, w_btj):
+  """I[b, t, s] = sum_j w[b,t,j] * relu(q[b,t,j] . k[b,s]), float32, no mask."""
+  qk_btjs = jnp.einsum("btjd,bsd->btjs", q_btjd, k_bsd,
+                       preferred_element_type=jnp.float32)
+  return jnp.einsum("btjs,btj->bts", jax.nn.relu(qk_btjs), w_btj.astype(jnp.float32))
+
+
+def causal_limit(t: int, s: int):
+  """[t] int32: the last key position each query may attend to (s - t + i)."""
+  return jnp.arange(t, dtype=jnp.int32) + (s - t)
+
+
+def deterministic_topk(scores_bts, limit_t, topk: int):
+  """Top-k over keys j <= limit[t], ties -> lower j, -1 where fewer keys exist.
+
+  Args:
+    scores_bts: [b, t, s] float scores (finite on causal keys).
+    limit_t: [t] int32, last visible key per query (from `causal_limit`).
+    topk: number of slots.
+
+  Returns:
+    int32 [b, t, topk] key positions, descending score.
+  """
+  s = scores_bts.shape[-1]
+  pos_s = jnp.arange(s, dtype=jnp.int32)
+  visible_ts = pos_s[None, :] <= limit_t[:, None]
+  masked = jnp.where(visible_ts[None], scores_bts.astype(jnp.float32), -jnp.inf)
+  k_eff = min(topk, s)
+  # lax.top_k is stable: among equal values the lower index comes first.
+  _, idx = jax.lax.top_k(masked, k_eff)
+  idx = idx.astype(jnp.int32)
+  idx = jnp.where(idx <= limit_t[None, :, None], idx, -1)
+  if k_eff < topk:
+    pad = jnp.full(idx.shape[:-1] + (topk - k_eff,), -1, jnp.int32)
+    idx = jnp.concatenate([idx, pad], axis=-1)
+  return idx
+
+
+def _pad_to(x, axis: int, multiple: int):
+  n = x.shape[axis]
+  pad = (-n) % multiple
+  if pad == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, pad)
+  return jnp.pad(x, widths)
+
+
+def topk_indices_reference(q, k, w, topk: int, *, chunk_size: int = 512):
+  """Chunked jnp lightning-indexer top-k (the `impl="xla"` path).
+
+  Args:
+    q: [b, t, h_i, d_i] indexer queries, RoPE applied, d_i**-0.5 folded in.
+    k: [b, s, d_i] indexer keys, RoPE applied.
+    w: [b, t, h_i] per-head weights, h_i**-0.5 folded in.
+    topk: slots per query.
+    chunk_size: queries scored at once; peak memory O(b * chunk * s).
+
+  Returns:
+    int32 [b, t, topk].
+  """
+  b, t, _, _ = q.shape
+  s = k.shape[1]
+  c = max(1, min(chunk_size, t))
+  n_chunks = -(-t // c)
+  limit = _pad_to(causal_limit(t, s), 0, c).reshape(n_chunks, c)
+  q_c = _pad_to(q, 1, c).reshape(b, n_chunks, c, *q.shape[2:]).swapaxes(0, 1)
+  w_c = _pad_to(w, 1, c).reshape(b, n_chunks, c, w.shape[-1]).swapaxes(0, 1)
+
+  def one_chunk(args):
+    q_bcjd, w_bcj, limit_c = args
+    return deterministic_topk(index_scores(q_bcjd, k, w_bcj), limit_c, topk)
+
+  idx = jax.lax.map(one_chunk, (q_c, w_c, limit))        # [n, b, c, topk]
+  return idx.swapaxes(0, 1).reshape(b, n_chunks * c, topk)[:, :t]

@@ -1,0 +1,46 @@
+"""Dispatch for sparse MLA attention (design.md decision 4)."""
+
+from __future__ import annotations
+
+from pallas_kernels.sparse_attention import reference
+
+IMPLS = ("xla", "pallas")
+
+
+def _check_shapes(q, kv, indices, v_dim):
+  if q.ndim != 4 or kv.ndim != 3 or indices.ndim != 3:
+    raise ValueError(f"sparse_mla expects q [b,t,h,d_qk], kv [b,s,d_qk], indices [b,t,k]; got "
+                     f"q{q.shape} kv{kv.shape} indices{indices.shape}")
+  b, t, _, d = q.shape
+  if kv.shape[0] != b or kv.shape[2] != d or indices.shape[:2] != (b, t):
+    raise ValueError(f"sparse_mla shape mismatch: q{q.shape} kv{kv.shape} indices{indices.shape}")
+  if not 0 < v_dim <= d:
+    raise ValueError(f"sparse_mla: v_dim={v_dim}, expected in (0, d_qk={d}]")
+
+
+def sparse_mla(q, kv, indices, *, v_dim: int, scale: float, impl: str = "xla",
+               interpret: bool = False, chunk_size: int = 256):
+  """Attention of absorbed MLA queries over their selected cache rows.
+
+  Args:
+    q: [b, t, h, d_qk] absorbed query [q_latent | q_rope].
+    kv: [b, s, d_qk] cache rows [c_kv | k_rope], shared by all heads.
+    indices: [b, t, topk] int32, -1 = empty slot.
+    v_dim: the value is kv[..., :v_dim].
+    scale: logit scale.
+    impl: "xla" (chunked jnp gather) or "pallas" (TPU / GPU kernel).
+    interpret: run the Pallas kernel in interpret mode (CPU tests).
+    chunk_size: query chunk of the "xla" path.
+
+  Returns:
+    out [b, t, h, v_dim], lse [b, t, h] float32; rows with no valid index give
+    zeros (lse = -inf). Differentiable in q and kv.
+  """
+  _check_shapes(q, kv, indices, v_dim)
+  if impl == "xla":
+    return reference.sparse_mla_reference(q, kv, indices, v_dim=v_dim, scale=scale,
+                                          chunk_size=chunk_size)
+  if impl == "pallas":
+    from pallas_kernels.sparse_attention import kernel  # pylint: disable=g-import-not-at-top
+    return kernel.sparse_mla(q, kv, indices, v_dim=v_dim, scale=scale, interpret=interpret)
+  raise ValueError(f"sparse_mla: impl={impl!r}, expected one of {IMPLS}")

@@ -1,0 +1,327 @@
+"""Sparse MLA attention on TPU (Pallas Mosaic): forward and backward kernels.
+
+Absorbed-MLA (MQA) attention over gathered top-k rows, GLM-5 spec §2.3-2.4;
+the maths of `reference.sparse_mla_reference`. Notation: b batch, t queries,
+s cache rows, h heads, k top-k slots (padded to n_kb blocks of bk), d = d_qk,
+v = v_dim.
+
+Gather (the pattern of jax's `paged_attention` / `ragged_paged_attention`
+kernels and sglang-jax `sparse_mla_prefill.py`): the cache stays in HBM
+(`memory_space=pl.ANY`); the slot indices of the current query sit in SMEM
+(a per-query SMEM block, not a scalar prefetch of the whole [b, t, k] table,
+which would not fit SMEM at 32K x 2048), and each selected row is copied into
+VMEM by its own DMA (`pltpu.make_async_copy`). The rows of block kb+1 are
+fetched while block kb is computed (two VMEM slots, one DMA semaphore each).
+Empty slots (-1) fetch row 0 and are masked; blocks past the last valid slot
+of a query (`n_live`, computed by the caller) are neither fetched nor computed.
+
+Forward, grid (b, t, n_kb), one query per (b, t) with its h heads as the
+matmul M dimension (one gathered 576-wide row serves all heads):
+  s = q_hd . rows_kd^T * scale           [h, bk]
+  online softmax over blocks (m, l, acc) -> out [h, v], lse [h]
+(the flash-attention recurrence of jax `pallas/ops/tpu/flash_attention.py`).
+
+Backward, grid (b, t, n_kb), flash-attention backward with the saved lse
+(tilelang `examples/deepseek_v32/sparse_mla_bwd.py` for the sparse form):
+  p  = exp(s - lse)            dp = do . rows[:, :v]^T
+  ds = p * (dp - delta)        delta = sum(do * out) - dlse
+  dq   += ds . rows * scale                        (VMEM accumulator)
+  dkv[idx] += ds^T . q * scale + [p^T . do | 0]     (accumulate by DMA)
+dkv is a float32 [b, s, d] buffer in HBM, aliased input -> output. Per block
+the kernel DMAs the selected dkv rows into VMEM, adds, and DMAs them back,
+waiting for the writes before the next read; the t and kb grid axes are
+"arbitrary" (sequential on one core) so that no two read-modify-writes of the
+same row overlap, and only the batch axis is "parallel" (different batch
+elements own different dkv rows). A row selected twice inside one block would
+lose one update to the read-modify-write; when a block holds a duplicate index
+(never the case for `topk_indices` output) its contributions are first summed
+per distinct row with an equality-matrix matmul, so every copy writes the same
+total.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import _backend
+
+DEFAULT_BLOCK_K = 128      # gathered rows per grid step (a 128-wide MXU tile)
+_LANES = 128               # m and l scratch are [h, 128], replicated across lanes
+
+
+def _nt_dot(a, b, precision):
+  """a [m, c] . b [n, c]^T -> [m, n] float32."""
+  return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32)
+
+
+def _nn_dot(a, b, precision):
+  """a [m, c] . b [c, n] -> [m, n] float32."""
+  return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32)
+
+
+def _tn_dot(a, b, precision):
+  """a [c, m]^T . b [c, n] -> [m, n] float32."""
+  return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32)
+
+
+def _row_copy(src_hbm, bi, row, dst_vmem, r, sem):
+  """DMA descriptor for one cache row: src[bi, row] -> dst[r]."""
+  return pltpu.make_async_copy(src_hbm.at[bi, pl.ds(row, 1)], dst_vmem.at[pl.ds(r, 1)], sem)
+
+
+def _gather_rows(idx_smem, kb, kv_hbm, bi, buf, slot, sem, *, start: bool):
+  """Starts (start=True) or waits for the bk row DMAs of block kb into buf[slot]."""
+  block_k = buf.shape[1]
+
+  def one(r, carry):
+    row = jnp.maximum(idx_smem[kb, r], 0)
+    copy = _row_copy(kv_hbm, bi, row, buf.at[slot], r, sem.at[slot])
+    if start:
+      copy.start()
+    else:
+      copy.wait()
+    return carry
+
+  jax.lax.fori_loop(0, block_k, one, 0)
+
+
+# --------------------------------------------------------------------------- forward
+
+
+def _fwd_kernel(nlive_smem, idx_smem, idx_vmem, q_ref, kv_hbm, out_ref, lse_ref,
+                rows_buf, sem, m_ref, l_ref, acc_ref, *, scale, v_dim, precision):
+  bi, kb = pl.program_id(0), pl.program_id(2)
+  n_kb = pl.num_programs(2)
+  n_live = nlive_smem[0, 0]
+  slot = jax.lax.rem(kb, 2)
+
+  @pl.when(kb == 0)
+  def _init():
+    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+  @pl.when((kb == 0) & (n_live > 0))
+  def _first_fetch():
+    _gather_rows(idx_smem, 0, kv_hbm, bi, rows_buf, 0, sem, start=True)
+
+  @pl.when(kb + 1 < n_live)
+  def _prefetch_next():
+    _gather_rows(idx_smem, kb + 1, kv_hbm, bi, rows_buf, 1 - slot, sem, start=True)
+
+  @pl.when(kb < n_live)
+  def _compute():
+    _gather_rows(idx_smem, kb, kv_hbm, bi, rows_buf, slot, sem, start=False)
+    rows = rows_buf[slot]                                      # [bk, d]
+    valid = idx_vmem[pl.ds(kb, 1), :] >= 0                     # [1, bk]
+    s = _nt_dot(q_ref[...], rows, precision) * scale           # [h, bk]
+    s = jnp.where(valid, s, -jnp.inf)
+    m_prev = m_ref[...]                                        # [h, 128]
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)          # a block with no valid slot
+    alpha = jnp.exp(m_prev - m_safe)
+    p = jnp.exp(s - m_safe[:, :1])                             # [h, bk], 0 on empty slots
+    l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+    m_ref[...] = m_new
+    pv = _nn_dot(p.astype(rows.dtype), rows[:, :v_dim], precision)
+    acc_ref[...] = alpha[:, :1] * acc_ref[...] + pv
+
+  @pl.when(kb == n_kb - 1)
+  def _finish():
+    l = l_ref[:, :1]
+    has = l > 0.0
+    inv = jnp.where(has, 1.0 / jnp.where(has, l, 1.0), 0.0)
+    out_ref[...] = (acc_ref[...] * inv).astype(out_ref.dtype)
+    lse_ref[...] = jnp.where(has, m_ref[:, :1] + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
+
+
+def sparse_mla_fwd(q, kv, idx_bgnk, nlive_bt11, *, v_dim, scale, interpret=False):
+  """Forward kernel.
+
+  Args:
+    q: [b, t, h, d] queries.
+    kv: [b, s, d] cache rows (left in HBM).
+    idx_bgnk: [b, t, n_kb, bk] int32 slot indices, -1 = empty.
+    nlive_bt11: [b, t, 1, 1] int32, blocks up to the last valid slot.
+    v_dim, scale: as in `reference.sparse_mla_reference`.
+    interpret: False, True or a `pltpu.InterpretParams`.
+
+  Returns:
+    out [b, t, h, v] (q.dtype), lse [b, t, h, 1] float32.
+  """
+  b, t, h, d = q.shape
+  _, _, n_kb, block_k = idx_bgnk.shape
+  kernel = functools.partial(_fwd_kernel, scale=scale, v_dim=v_dim,
+                             precision=_backend.dot_precision(q.dtype))
+  per_query = lambda shape: pl.BlockSpec((None, None) + shape, lambda i, j, k: (i, j, 0, 0))
+  return pl.pallas_call(
+      kernel,
+      grid=(b, t, n_kb),
+      in_specs=[
+          pl.BlockSpec((None, None, 1, 1), lambda i, j, k: (i, j, 0, 0),
+                       memory_space=pltpu.SMEM),
+          pl.BlockSpec((None, None, n_kb, block_k), lambda i, j, k: (i, j, 0, 0),
+                       memory_space=pltpu.SMEM),
+          per_query((n_kb, block_k)),
+          per_query((h, d)),
+          pl.BlockSpec(memory_space=pl.ANY),
+      ],
+      out_specs=[per_query((h, v_dim)), per_query((h, 1))],
+      out_shape=[jax.ShapeDtypeStruct((b, t, h, v_dim), q.dtype),
+                 jax.ShapeDtypeStruct((b, t, h, 1), jnp.float32)],
+      scratch_shapes=[
+          pltpu.VMEM((2, block_k, d), kv.dtype),
+          pltpu.SemaphoreType.DMA((2,)),
+          pltpu.VMEM((h, _LANES), jnp.float32),
+          pltpu.VMEM((h, _LANES), jnp.float32),
+          pltpu.VMEM((h, v_dim), jnp.float32),
+      ],
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "arbitrary")),
+      interpret=_backend.tpu_interpret(interpret),
+      name="sparse_mla_fwd",
+  )(nlive_bt11, idx_bgnk, idx_bgnk, q, kv)
+
+
+# -------------------------------------------------------------------------- backward
+
+
+def _bwd_kernel(nlive_smem, idx_smem, idx_row_vmem, idx_col_vmem, q_ref, kv_hbm, do_ref,
+                lse_ref, delta_ref, dkv_in_hbm, dq_ref, dkv_hbm, rows_buf, sem, dkv_buf,
+                dsem, dq_acc, *, scale, v_dim, precision):
+  del dkv_in_hbm  # aliased with dkv_hbm
+  bi, kb = pl.program_id(0), pl.program_id(2)
+  n_kb = pl.num_programs(2)
+  n_live = nlive_smem[0, 0]
+  block_k = rows_buf.shape[1]
+  slot = jax.lax.rem(kb, 2)
+
+  @pl.when(kb == 0)
+  def _init():
+    dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
+
+  @pl.when((kb == 0) & (n_live > 0))
+  def _first_fetch():
+    _gather_rows(idx_smem, 0, kv_hbm, bi, rows_buf, 0, sem, start=True)
+
+  @pl.when(kb + 1 < n_live)
+  def _prefetch_next():
+    _gather_rows(idx_smem, kb + 1, kv_hbm, bi, rows_buf, 1 - slot, sem, start=True)
+
+  def dkv_rows(op):
+    """Start ("read" / "write") or wait for the dkv row DMAs of the valid slots of block kb."""
+    def one(r, carry):
+      row = idx_smem[kb, r]
+
+      @pl.when(row >= 0)
+      def _():
+        if op in ("read", "wait_read"):
+          copy = _row_copy(dkv_hbm, bi, row, dkv_buf, r, dsem)
+        else:
+          copy = pltpu.make_async_copy(dkv_buf.at[pl.ds(r, 1)],
+                                       dkv_hbm.at[bi, pl.ds(row, 1)], dsem)
+        if op.startswith("wait"):
+          copy.wait()
+        else:
+          copy.start()
+      return carry
+    jax.lax.fori_loop(0, block_k, one, 0)
+
+  @pl.when(kb < n_live)
+  def _compute():
+    dkv_rows("read")
+    _gather_rows(idx_smem, kb, kv_hbm, bi, rows_buf, slot, sem, start=False)
+    rows = rows_buf[slot]                                      # [bk, d]
+    q = q_ref[...]                                             # [h, d]
+    do = do_ref[...]                                           # [h, v]
+    valid = idx_row_vmem[pl.ds(kb, 1), :] >= 0                 # [1, bk]
+    s = _nt_dot(q, rows, precision) * scale                    # [h, bk]
+    p = jnp.where(valid, jnp.exp(s - lse_ref[...]), 0.0)       # lse [h, 1]
+    dp = _nt_dot(do, rows[:, :v_dim], precision)               # [h, bk]
+    ds = p * (dp - delta_ref[...])                             # [h, bk]
+    ds_c = ds.astype(rows.dtype)
+    dq_acc[...] += _nn_dot(ds_c, rows, precision) * scale
+    d_rows = _tn_dot(ds_c, q, precision) * scale               # [bk, d]
+    dv_rows = _tn_dot(p.astype(do.dtype), do, precision)       # [bk, v]
+    d_rows = jnp.concatenate([d_rows[:, :v_dim] + dv_rows, d_rows[:, v_dim:]], axis=1)
+    # Sum the contributions of slots that name the same row (duplicates) so that
+    # each of their read-modify-writes stores the same total.
+    col = idx_col_vmem[...]                                    # [bk, 1]
+    row = idx_row_vmem[pl.ds(kb, 1), :]                        # [1, bk]
+    same = ((col == row) & (row >= 0)).astype(jnp.float32)     # [bk, bk]
+    has_dup = jnp.sum(same) > jnp.sum(valid.astype(jnp.float32))
+    d_rows = jax.lax.cond(has_dup,
+                          lambda x: _nn_dot(same, x, jax.lax.Precision.HIGHEST),
+                          lambda x: x, d_rows)
+    dkv_rows("wait_read")
+    dkv_buf[...] = dkv_buf[...] + d_rows
+    dkv_rows("write")
+    dkv_rows("wait_write")
+
+  @pl.when(kb == n_kb - 1)
+  def _finish():
+    dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
+
+
+def sparse_mla_bwd(q, kv, idx_bgnk, nlive_bt11, do, lse_bth1, delta_bth1, *, v_dim, scale,
+                   interpret=False):
+  """Backward kernel.
+
+  Args:
+    q, kv, idx_bgnk, nlive_bt11: as in `sparse_mla_fwd`.
+    do: [b, t, h, v] output cotangent.
+    lse_bth1: [b, t, h, 1] float32 saved log-sum-exp.
+    delta_bth1: [b, t, h, 1] float32, sum(do * out, -1) - dlse.
+
+  Returns:
+    dq [b, t, h, d] (q.dtype), dkv [b, s, d] float32.
+  """
+  b, t, h, d = q.shape
+  s = kv.shape[1]
+  _, _, n_kb, block_k = idx_bgnk.shape
+  kernel = functools.partial(_bwd_kernel, scale=scale, v_dim=v_dim,
+                             precision=_backend.dot_precision(q.dtype))
+  per_query = lambda shape: pl.BlockSpec((None, None) + shape, lambda i, j, k: (i, j, 0, 0))
+  idx_col = idx_bgnk.reshape(b, t, n_kb * block_k, 1)
+  dkv0 = jnp.zeros((b, s, d), jnp.float32)
+  return pl.pallas_call(
+      kernel,
+      grid=(b, t, n_kb),
+      in_specs=[
+          pl.BlockSpec((None, None, 1, 1), lambda i, j, k: (i, j, 0, 0),
+                       memory_space=pltpu.SMEM),
+          pl.BlockSpec((None, None, n_kb, block_k), lambda i, j, k: (i, j, 0, 0),
+                       memory_space=pltpu.SMEM),
+          per_query((n_kb, block_k)),
+          pl.BlockSpec((None, None, block_k, 1), lambda i, j, k: (i, j, k, 0)),
+          per_query((h, d)),
+          pl.BlockSpec(memory_space=pl.ANY),
+          per_query((h, v_dim)),
+          per_query((h, 1)),
+          per_query((h, 1)),
+          pl.BlockSpec(memory_space=pl.ANY),
+      ],
+      out_specs=[per_query((h, d)), pl.BlockSpec(memory_space=pl.ANY)],
+      out_shape=[jax.ShapeDtypeStruct((b, t, h, d), q.dtype),
+                 jax.ShapeDtypeStruct((b, s, d), jnp.float32)],
+      scratch_shapes=[
+          pltpu.VMEM((2, block_k, d), kv.dtype),
+          pltpu.SemaphoreType.DMA((2,)),
+          pltpu.VMEM((block_k, d), jnp.float32),
+          pltpu.SemaphoreType.DMA(()),
+          pltpu.VMEM((h, d), jnp.float32),
+      ],
+      input_output_aliases={9: 1},
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+      interpret=_backend.tpu_interpret(interpret),
+      name="sparse_mla_bwd",
+  )(nlive_bt11, idx_bgnk, idx_bgnk, idx_col, q, kv, do, lse_bth1, delta_bth1, dkv0)

@@ -1,0 +1,32 @@
+"""glm5-jax: the GLM-5 model and training recipe in JAX / Flax."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="glm5-jax",
+    version="0.1.0",
+    description="GLM-5 (MLA + DSA + MoE + shared MTP) in JAX/Flax, with Pallas DSA kernels",
+    python_requires=">=3.10",
+    packages=find_packages(include=["glm5_jax", "glm5_jax.*", "pallas_kernels",
+                                    "pallas_kernels.*"]),
+    install_requires=[
+        "jax>=0.10.2,<0.11",
+        "flax>=0.12.8,<0.13",
+        "optax>=0.2.8",
+        "chex>=0.1.92",
+        "ml_collections>=1.1.0",
+        "absl-py",
+        "orbax-checkpoint>=0.12.8",
+        "grain>=0.2.18",
+        "safetensors>=0.6",
+        "ml_dtypes",
+        "numpy",
+        "tensorboardX",
+        "matplotlib",
+    ],
+    extras_require={
+        "test": ["pytest>=8"],
+        # Reference implementation for parity tests and the converter's checks.
+        "hf": ["torch==2.13.0", "transformers>=5.24,<6"],
+    },
+)

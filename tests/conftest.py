@@ -1,0 +1,39 @@
+"""Shared fixtures: one tiny model, compiled once per session."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from glm5_jax import config as config_lib
+from glm5_jax import nn as gnn
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg():
+  return config_lib.get_preset("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_params(tiny_cfg):
+  return gnn.init_params(tiny_cfg, jax.random.PRNGKey(0))
+
+
+@pytest.fixture(scope="session")
+def tiny_tokens(tiny_cfg):
+  rng = np.random.default_rng(0)
+  return jnp.asarray(rng.integers(0, tiny_cfg.vocab_size, (2, 24)), jnp.int32)
+
+
+@pytest.fixture(scope="session")
+def tiny_forward(tiny_cfg):
+  """jit(params, tokens) -> ModelOutput with indexer KL and top-k indices."""
+  model = gnn.GLM5(tiny_cfg)
+  return jax.jit(lambda p, t: model.apply({"params": p}, t, with_indexer_loss=True,
+                                          return_topk=True))
+
+
+@pytest.fixture
+def rng():
+  """A fresh numpy Generator per test (inputs drawn fresh, seeded by the test name)."""
+  return np.random.default_rng()

@@ -1,0 +1,120 @@
+"""Lightning-indexer Pallas kernels (TPU and GPU lowerings, interpret mode) vs the reference.
+
+The selection must equal `topk_indices_reference` exactly: same keys, same
+order (descending score, ties -> lower position), same -1 fill. Random float
+inputs have no ties within float32 rounding at these sizes; the tied-score
+tests use inputs whose scores are exact, so ties are real and only the
+tie-break decides the order. Tiles are kept small (8 / 16) so that every test
+spans several query and key tiles with ragged tails.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import lightning_indexer
+from pallas_kernels import testing
+from pallas_kernels.lightning_indexer import kernel
+from pallas_kernels.lightning_indexer import reference
+
+# Smallest legal tiles per backend: TPU multiples of 8, GPU (Triton) powers of two >= 16.
+TILES = {"tpu": dict(block_q=8, block_k=8), "gpu": dict(block_q=16, block_k=16)}
+BACKENDS = sorted(TILES)
+
+
+def _kernel_topk(q, k, w, topk, backend, chunk_size=16):
+  f = functools.partial(kernel.topk_indices, topk=topk, interpret=True, backend=backend,
+                        chunk_size=chunk_size, **TILES[backend])
+  return np.asarray(jax.jit(f)(q, k, w))
+
+
+def _reference_topk(q, k, w, topk):
+  return np.asarray(reference.topk_indices_reference(q, k, w, topk, chunk_size=8))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefill_matches_reference(backend):
+  # t = s = 37: not a multiple of any tile or chunk; topk 12 < causal keys for most queries.
+  q, k, w = testing.indexer_inputs(jax.random.key(11), b=2, t=37, s=37, h_i=3, d_i=16)
+  np.testing.assert_array_equal(_kernel_topk(q, k, w, 12, backend),
+                                _reference_topk(q, k, w, 12))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_chunked_prefill_matches_reference(backend):
+  # t < s: the 21 queries are the last 21 positions of 45 keys, over two chunks of 16.
+  q, k, w = testing.indexer_inputs(jax.random.key(12), b=2, t=21, s=45, h_i=2, d_i=16)
+  np.testing.assert_array_equal(_kernel_topk(q, k, w, 10, backend),
+                                _reference_topk(q, k, w, 10))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_matches_reference(backend):
+  q, k, w = testing.indexer_inputs(jax.random.key(13), b=3, t=1, s=29, h_i=4, d_i=16)
+  np.testing.assert_array_equal(_kernel_topk(q, k, w, 7, backend),
+                                _reference_topk(q, k, w, 7))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_topk_beyond_causal_keys_fills_minus_one(backend):
+  # topk 20 > s 13: query i sees i + 1 keys, the other slots hold -1.
+  q, k, w = testing.indexer_inputs(jax.random.key(14), b=1, t=13, s=13, h_i=2, d_i=16)
+  got = _kernel_topk(q, k, w, 20, backend)
+  np.testing.assert_array_equal(got, _reference_topk(q, k, w, 20))
+  np.testing.assert_array_equal((got >= 0).sum(-1)[0], np.arange(1, 14))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bfloat16_inputs_match_reference(backend):
+  q, k, w = testing.indexer_inputs(jax.random.key(15), b=2, t=19, s=19, h_i=2, d_i=16,
+                                   dtype=jnp.bfloat16)
+  np.testing.assert_array_equal(_kernel_topk(q, k, w, 6, backend),
+                                _reference_topk(q, k, w, 6))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tied_scores_break_to_lower_position(backend):
+  q, k, w = testing.tied_indexer_inputs(jax.random.key(16), b=2, t=24, s=24, h_i=2, d_i=4)
+  topk = 6
+  scores = np.asarray(reference.index_scores(q, k, w))
+  # The inputs must really tie at the selection boundary, or this test proves nothing.
+  tied_rows = 0
+  for bi in range(2):
+    for i in range(topk, 24):
+      row = np.sort(scores[bi, i, :i + 1])[::-1]
+      tied_rows += int(row[topk - 1] == row[topk])
+  assert tied_rows >= 10, f"only {tied_rows} rows tie at the k-th place"
+  got = _kernel_topk(q, k, w, topk, backend)
+  np.testing.assert_array_equal(got, _reference_topk(q, k, w, topk))
+  # Within equal scores the positions increase.
+  sel = np.take_along_axis(scores, np.maximum(got, 0), axis=-1)
+  same = (sel[..., 1:] == sel[..., :-1]) & (got[..., 1:] >= 0)
+  assert np.all(got[..., 1:][same] > got[..., :-1][same])
+
+
+def test_api_pallas_impl_matches_xla_impl():
+  # The lead's dispatcher with its defaults: impl="pallas", interpret on CPU -> TPU kernel.
+  q, k, w = testing.indexer_inputs(jax.random.key(17), b=1, t=9, s=20, h_i=2, d_i=16)
+  got = lightning_indexer.topk_indices(q, k, w, 5, impl="pallas", interpret=True)
+  want = lightning_indexer.topk_indices(q, k, w, 5, impl="xla")
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("backend,tiles,name", [
+    ("tpu", dict(block_q=12), "block_q"),
+    ("gpu", dict(block_k=24), "block_k"),
+    ("gpu", dict(block_q=8), "block_q"),
+])
+def test_illegal_tiles_are_rejected(backend, tiles, name):
+  q, k, w = testing.indexer_inputs(jax.random.key(18), b=1, t=4, s=4, h_i=1, d_i=16)
+  with pytest.raises(ValueError, match=name):
+    kernel.topk_indices(q, k, w, 2, interpret=True, backend=backend, **tiles)
+
+
+def test_unknown_backend_is_rejected():
+  q, k, w = testing.indexer_inputs(jax.random.key(19), b=1, t=4, s=4, h_i=1, d_i=16)
+  with pytest.raises(ValueError, match="backend='cuda'"):
+    kernel.topk_indices(q, k, w, 2, interpret=True, backend="cuda")

@@ -1,0 +1,159 @@
+"""Sparse MLA Pallas kernels (TPU and GPU lowerings, interpret mode) vs the reference.
+
+Forward outputs and lse, and the gradients of q and kv (custom_vjp with Pallas
+backward kernels) against `jax.vjp` of `sparse_mla_reference`. Tolerances are
+normwise relative (max error / max magnitude): 1e-5 for float32, where the
+kernels differ from the reference only in summation order; 1e-2 for bfloat16,
+where they also round p and ds to bfloat16 at different points. Small slot
+blocks (8 on TPU, 16 on GPU) make every test span several blocks, with a
+ragged last block (topk not a multiple of the block).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import sparse_attention
+from pallas_kernels import testing
+from pallas_kernels.lightning_indexer import reference as indexer_reference
+from pallas_kernels.sparse_attention import kernel
+from pallas_kernels.sparse_attention import reference
+
+BLOCK_K = {"tpu": 8, "gpu": 16}
+BACKENDS = sorted(BLOCK_K)
+REL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+
+
+def _kernel_fn(backend, v_dim, scale):
+  return functools.partial(kernel.sparse_mla, v_dim=v_dim, scale=scale, interpret=True,
+                           backend=backend, block_k=BLOCK_K[backend])
+
+
+def _reference_fn(v_dim, scale):
+  return functools.partial(reference.sparse_mla_reference, v_dim=v_dim, scale=scale,
+                           chunk_size=4)
+
+
+def _check_forward(backend, q, kv, idx, v_dim, rel):
+  scale = q.shape[-1] ** -0.5
+  out, lse = jax.jit(_kernel_fn(backend, v_dim, scale))(q, kv, idx)
+  ref_out, ref_lse = _reference_fn(v_dim, scale)(q, kv, idx)
+  assert out.dtype == q.dtype and lse.dtype == jnp.float32
+  testing.assert_rel_close(out, ref_out, rel, "out")
+  testing.assert_rel_close(lse, ref_lse, rel, "lse")
+  return out, lse
+
+
+def _check_gradients(backend, q, kv, idx, v_dim, rel):
+  scale = q.shape[-1] ** -0.5
+  k_o, k_l = jax.random.split(jax.random.key(99))
+  (ref_out, ref_lse), ref_vjp = jax.vjp(lambda a, b: _reference_fn(v_dim, scale)(a, b, idx), q, kv)
+  # Cotangents for both outputs; lse's matters wherever a caller uses it (e.g. a KL loss).
+  d_out = jax.random.normal(k_o, ref_out.shape, jnp.float32).astype(ref_out.dtype)
+  d_lse = jax.random.normal(k_l, ref_lse.shape, jnp.float32)
+  ref_dq, ref_dkv = ref_vjp((d_out, d_lse))
+
+  def grads(a, b):
+    _, vjp = jax.vjp(lambda a, b: _kernel_fn(backend, v_dim, scale)(a, b, idx), a, b)
+    return vjp((d_out, d_lse))
+
+  dq, dkv = jax.jit(grads)(q, kv)
+  assert dq.dtype == q.dtype and dkv.dtype == kv.dtype
+  testing.assert_rel_close(dq, ref_dq, rel, "dq")
+  testing.assert_rel_close(dkv, ref_dkv, rel, "dkv")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_forward_float32_random_slots(backend):
+  # topk 21: not a multiple of the block; ~20% empty slots; one query with none at all.
+  q, kv = testing.mla_inputs(jax.random.key(1), b=2, t=5, s=37, h=3, d=24)
+  idx = testing.unique_indices(jax.random.key(2), 2, 5, 37, 21, p_empty=0.2)
+  idx = idx.at[1, 3].set(-1)
+  out, lse = _check_forward(backend, q, kv, idx, v_dim=16, rel=REL[jnp.float32])
+  assert np.all(np.asarray(out[1, 3]) == 0) and np.all(np.isneginf(np.asarray(lse[1, 3])))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_forward_matches_dense_oracle(backend):
+  # An independent oracle: full [t, s] logits with the selection as a mask.
+  q, kv = testing.mla_inputs(jax.random.key(3), b=1, t=4, s=30, h=2, d=24)
+  idx = testing.unique_indices(jax.random.key(4), 1, 4, 30, 11, p_empty=0.3)
+  scale = 24 ** -0.5
+  out, lse = jax.jit(_kernel_fn(backend, 16, scale))(q, kv, idx)
+  want_out, want_lse = reference.sparse_mla_dense_oracle(q, kv, idx, v_dim=16, scale=scale)
+  testing.assert_rel_close(out, want_out, 1e-5, "out")
+  testing.assert_rel_close(lse, want_lse, 1e-5, "lse")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_forward_bfloat16(backend):
+  q, kv = testing.mla_inputs(jax.random.key(5), b=2, t=3, s=40, h=4, d=24, dtype=jnp.bfloat16)
+  idx = testing.unique_indices(jax.random.key(6), 2, 3, 40, 19, p_empty=0.1)
+  _check_forward(backend, q, kv, idx, v_dim=16, rel=REL[jnp.bfloat16])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_forward_with_indexer_selection_and_value_equal_to_d(backend):
+  # Prefill over indexer output: early queries have fewer causal keys than topk (-1 tails).
+  # v_dim == d_qk: no rope tail at all.
+  qi, ki, wi = testing.indexer_inputs(jax.random.key(7), b=2, t=17, s=17, h_i=2, d_i=16)
+  idx = indexer_reference.topk_indices_reference(qi, ki, wi, 9)
+  q, kv = testing.mla_inputs(jax.random.key(8), b=2, t=17, s=17, h=2, d=16)
+  _check_forward(backend, q, kv, idx, v_dim=16, rel=REL[jnp.float32])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradients_float32(backend):
+  # Chunked prefill shape (t < s), batch 2, empty slots and one fully empty query.
+  q, kv = testing.mla_inputs(jax.random.key(9), b=2, t=4, s=33, h=3, d=24)
+  idx = testing.unique_indices(jax.random.key(10), 2, 4, 33, 19, p_empty=0.25)
+  idx = idx.at[0, 2].set(-1)
+  _check_gradients(backend, q, kv, idx, v_dim=16, rel=REL[jnp.float32])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradients_bfloat16(backend):
+  q, kv = testing.mla_inputs(jax.random.key(11), b=1, t=3, s=30, h=4, d=24, dtype=jnp.bfloat16)
+  idx = testing.unique_indices(jax.random.key(12), 1, 3, 30, 17, p_empty=0.1)
+  _check_gradients(backend, q, kv, idx, v_dim=16, rel=REL[jnp.bfloat16])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradients_decode_with_indexer_selection(backend):
+  # Decode: one query at the last of 26 positions, topk 32 > 26 keys (a -1 tail).
+  qi, ki, wi = testing.indexer_inputs(jax.random.key(13), b=2, t=1, s=26, h_i=2, d_i=16)
+  idx = indexer_reference.topk_indices_reference(qi, ki, wi, 32)
+  q, kv = testing.mla_inputs(jax.random.key(14), b=2, t=1, s=26, h=2, d=24)
+  _check_gradients(backend, q, kv, idx, v_dim=16, rel=REL[jnp.float32])
+
+
+def test_tpu_gradients_with_duplicate_slots():
+  # A row named twice by one query counts twice (as in the reference); the TPU
+  # backward's read-modify-write of dkv must not lose either contribution.
+  q, kv = testing.mla_inputs(jax.random.key(15), b=1, t=3, s=10, h=2, d=24)
+  idx = jax.random.randint(jax.random.key(16), (1, 3, 12), -1, 10)
+  assert any(len(set(r[r >= 0])) < len(r[r >= 0]) for r in np.asarray(idx)[0])
+  _check_gradients("tpu", q, kv, idx, v_dim=16, rel=REL[jnp.float32])
+
+
+def test_api_pallas_impl_matches_xla_impl():
+  # The lead's dispatcher with its defaults: impl="pallas", interpret on CPU -> TPU kernels.
+  q, kv = testing.mla_inputs(jax.random.key(17), b=1, t=3, s=20, h=2, d=24)
+  idx = testing.unique_indices(jax.random.key(18), 1, 3, 20, 8, p_empty=0.2)
+  got = sparse_attention.sparse_mla(q, kv, idx, v_dim=16, scale=0.2, impl="pallas",
+                                    interpret=True)
+  want = sparse_attention.sparse_mla(q, kv, idx, v_dim=16, scale=0.2, impl="xla")
+  for g, w_, name in zip(got, want, ("out", "lse")):
+    testing.assert_rel_close(g, w_, 1e-5, name)
+
+
+@pytest.mark.parametrize("backend,block_k", [("tpu", 12), ("gpu", 24), ("gpu", 8)])
+def test_illegal_block_is_rejected(backend, block_k):
+  q, kv = testing.mla_inputs(jax.random.key(19), b=1, t=1, s=8, h=1, d=24)
+  idx = jnp.zeros((1, 1, 4), jnp.int32)
+  with pytest.raises(ValueError, match="block_k"):
+    kernel.sparse_mla(q, kv, idx, v_dim=16, scale=1.0, interpret=True, backend=backend,
+                      block_k=block_k)

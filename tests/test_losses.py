@@ -1,0 +1,97 @@
+"""Losses: chunked CE, MTP loss, indexer KL (dense / sparse), routing-bias update."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from glm5_jax import config as config_lib
+from glm5_jax import losses
+from glm5_jax.nn import moe
+from pallas_kernels.lightning_indexer import reference as ref
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+def test_chunked_cross_entropy_equals_full(rng, chunk):
+  h = jnp.asarray(rng.normal(size=(2, 13, 8)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(8, 30)), jnp.float32)
+  y = jnp.asarray(rng.integers(0, 30, (2, 13)))
+  m = jnp.asarray(rng.random((2, 13)) < 0.8, jnp.float32)
+  full = lambda h, w: losses.cross_entropy(h @ w, y, m)[0]
+  chunked = lambda h, w: losses.chunked_cross_entropy(h, w, y, m, chunk_size=chunk)[0]
+  np.testing.assert_allclose(chunked(h, w), full(h, w), rtol=1e-5)
+  for a, b in zip(jax.grad(chunked, (0, 1))(h, w), jax.grad(full, (0, 1))(h, w)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_next_token_targets_masks_the_tail():
+  y, m = losses.next_token_targets(jnp.array([[5, 6, 7, 8]]), offset=2)
+  np.testing.assert_array_equal(y, [[7, 8, 0, 0]])
+  np.testing.assert_array_equal(m, [[1, 1, 0, 0]])
+
+
+def test_mtp_loss_is_lambda_over_d_times_the_sum():
+  assert float(losses.mtp_loss([1.0, 2.0, 3.0], 0.3)) == pytest.approx(0.3 / 3 * 6)
+
+
+def _np_kl_dense(q_abs, kv, q_i, k_i, w_i, scale):
+  b, t = q_abs.shape[:2]
+  attn = np.einsum("bthd,bsd->bths", q_abs, kv) * scale
+  iscore = np.einsum("btj,btjs->bts", w_i, np.maximum(np.einsum("btjd,bsd->btjs", q_i, k_i), 0))
+  causal = np.tril(np.ones((t, t), bool))
+  total = 0.0
+  for bi in range(b):
+    for i in range(t):
+      a = attn[bi, i][:, causal[i]]
+      pa = np.exp(a - a.max(-1, keepdims=True))
+      p = (pa / pa.sum(-1, keepdims=True)).sum(0)
+      p /= p.sum()
+      s = iscore[bi, i][causal[i]]
+      q = np.exp(s - s.max())
+      q /= q.sum()
+      total += np.sum(p * (np.log(p + 1e-10) - np.log(q + 1e-10)))
+  return total / (b * t)
+
+
+def _kl_inputs(rng, t=7):
+  f = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
+  return f(2, t, 3, 10), f(2, t, 10), f(2, t, 2, 4), f(2, t, 4), f(2, t, 2)
+
+
+def test_dense_indexer_kl_matches_numpy(rng):
+  args = _kl_inputs(rng)
+  got = losses.indexer_kl_dense(*args, scale=0.4, chunk_size=3)
+  want = _np_kl_dense(*(np.asarray(a, np.float64) for a in args), 0.4)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_sparse_kl_with_every_key_selected_equals_dense(rng):
+  args = _kl_inputs(rng)
+  q_i, k_i, w_i = args[2:]
+  idx = ref.topk_indices_reference(q_i, k_i, w_i, 16)
+  np.testing.assert_allclose(losses.indexer_kl_sparse(*args, scale=0.4, indices=idx, chunk_size=2),
+                             losses.indexer_kl_dense(*args, scale=0.4), rtol=1e-5)
+
+
+def test_kl_target_is_detached(rng):
+  args = _kl_inputs(rng)
+  g = jax.grad(lambda qa, kv: losses.indexer_kl_dense(qa, kv, *args[2:], scale=0.4), (0, 1))(*args[:2])
+  assert all(float(jnp.max(jnp.abs(x))) == 0.0 for x in g)
+
+
+def test_routing_bias_update_moves_load_toward_uniform(rng):
+  cfg = config_lib.get_preset("tiny")
+  x = jnp.asarray(rng.normal(size=(512, 64)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(64, 8)) * 0.05, jnp.float32)
+  w = w.at[:, :2].add(0.3 * x[:64].mean(0)[:, None] * 10)     # experts 0, 1 favoured
+  bias = jnp.zeros(8)
+
+  def load(bias):
+    ids, _ = moe.route(cfg, x, w, bias)
+    return jnp.bincount(ids.ravel(), length=8) / ids.size
+
+  before = float(jnp.max(load(bias)) / jnp.mean(load(bias)))
+  for _ in range(100):
+    bias = losses.update_routing_bias(bias, load(bias), rate=0.01)
+  after = float(jnp.max(load(bias)) / jnp.mean(load(bias)))
+  assert before > 1.5 and after < 1.2 and after < before
