@@ -9,6 +9,7 @@ compile-and-warm-up run.
 """
 
 import json
+import math
 import statistics
 import time
 
@@ -17,6 +18,7 @@ from absl import flags
 import jax
 import jax.numpy as jnp
 import optax
+from optax.contrib import MuonDimensionNumbers
 
 from glm5_jax import get_preset
 from glm5_jax import nn
@@ -34,6 +36,23 @@ def _optimizers(lr=1e-3, wd=0.1):
                                               split_heads=False, rms_shape="full"),
       "muon_split": optim.muon_split(learning_rate=lr, weight_decay=wd),
   }
+
+
+def ns_gflops(shapes, split_heads, ns_steps=5):
+  """Newton–Schulz GFLOP per step: each [m, n] block (m <= n) costs ns_steps * (4m²n + 2m³)
+  (X Xᵀ, A², B X in optax's quintic iteration)."""
+  dims = optim.muon_dim_numbers(shapes, split_heads=split_heads)
+  total = 0.0
+  is_leaf = lambda v: v is None or isinstance(v, MuonDimensionNumbers)
+  for x, d in zip(jax.tree.leaves(shapes), jax.tree.leaves(dims, is_leaf=is_leaf)):
+    if d is None:
+      continue
+    axes = lambda a: (a,) if isinstance(a, int) else tuple(a)
+    fan_in = math.prod(x.shape[a] for a in axes(d.reduction_axis))
+    fan_out = math.prod(x.shape[a] for a in axes(d.output_axis))
+    m, n = sorted((fan_in, fan_out))
+    total += x.size // (fan_in * fan_out) * ns_steps * (4 * m * m * n + 2 * m ** 3)
+  return total / 1e9
 
 
 def _random_like(shapes, key, scale):
@@ -74,14 +93,17 @@ def main(argv):
     for name, tx in _optimizers().items():
       step_s, first_s = bench_one(tx, shapes, _REPEATS.value)
       base = base or step_s
+      gflop = 0.0 if name == "adamw" else ns_gflops(shapes, split_heads=name == "muon_split")
       rows.append(dict(preset=preset, params_m=n_params / 1e6, optimizer=name,
-                       step_ms=1e3 * step_s, vs_adamw=step_s / base, compile_s=first_s))
+                       step_ms=1e3 * step_s, vs_adamw=step_s / base, compile_s=first_s,
+                       ns_gflop=gflop))
       print(f"{preset:6s} {name:20s} {1e3 * step_s:10.2f} ms  x{step_s / base:6.2f}  "
-            f"(compile+first {first_s:.1f} s)", flush=True)
-  header = "| preset | params | optimizer | step (ms, median) | vs AdamW | compile + 1st step (s) |"
-  lines = [header, "|---|---|---|---|---|---|"]
+            f"NS {gflop:7.1f} GFLOP  (compile+first {first_s:.1f} s)", flush=True)
+  header = ("| preset | params | optimizer | step (ms, median) | vs AdamW | NS GFLOP/step | "
+            "compile + 1st step (s) |")
+  lines = [header, "|---|---|---|---|---|---|---|"]
   lines += [f"| {r['preset']} | {r['params_m']:.1f}M | {r['optimizer']} | {r['step_ms']:.2f} | "
-            f"{r['vs_adamw']:.2f} | {r['compile_s']:.1f} |" for r in rows]
+            f"{r['vs_adamw']:.2f} | {r['ns_gflop']:.1f} | {r['compile_s']:.1f} |" for r in rows]
   print("\n".join(lines))
   if _OUT.value:
     info = dict(backend=jax.default_backend(), devices=jax.device_count(),

@@ -1,4 +1,4 @@
-r"""Muon Split ablation (GLM-5 §2.1): AdamW vs whole-matrix Muon vs Muon Split, tiny model.
+r"""Muon Split ablation (GLM-5, arXiv 2602.15763): AdamW vs whole-matrix Muon vs Muon Split.
 
   python -m experiments.muon_split_ablation --config=configs/muon_split_ablation.py
 
@@ -188,7 +188,8 @@ def plot(results, path):
 
 def write_markdown(path, text):
   block = f"{_MARK[0]}\n{text}\n{_MARK[1]}"
-  old = open(path).read() if os.path.exists(path) else f"# Muon Split ablation\n\n{_MARK[0]}\n{_MARK[1]}\n"
+  old = (open(path).read() if os.path.exists(path)
+         else f"# Muon Split ablation\n\n{_MARK[0]}\n{_MARK[1]}\n")
   if _MARK[0] not in old:
     old += f"\n{_MARK[0]}\n{_MARK[1]}\n"
   head, rest = old.split(_MARK[0], 1)

@@ -119,7 +119,7 @@ def _query_chunks(c, t, *arrays):
 
 
 def indexer_kl_dense(q_abs, kv, q_i, k_i, w_i, *, scale, indices=None, chunk_size=256,
-                     mask_bt=None):
+                     mask_bt=None, doc_start=None):
   """Dense-warm-up indexer loss: mean_{b,t} KL(p_t || softmax_s I_t) over causal s.
 
   Args:
@@ -131,6 +131,7 @@ def indexer_kl_dense(q_abs, kv, q_i, k_i, w_i, *, scale, indices=None, chunk_siz
     indices: unused (same signature as the sparse form).
     chunk_size: queries per chunk; memory O(b * chunk * h * s).
     mask_bt: optional [b, t] weights of the queries in the mean.
+    doc_start: optional [b, t] first key of each query's document (packed rows).
   """
   del indices
   b, t = q_abs.shape[:2]
@@ -138,28 +139,32 @@ def indexer_kl_dense(q_abs, kv, q_i, k_i, w_i, *, scale, indices=None, chunk_siz
   q_abs, kv = jax.lax.stop_gradient(q_abs), jax.lax.stop_gradient(kv)
   c = max(1, min(chunk_size, t))
   limit = _pad_seq(indexer_ref.causal_limit(t, s)[None], c).reshape(-1, c)
-  qa_c, qi_c, wi_c = _query_chunks(c, t, q_abs, q_i, w_i)
+  start = jnp.zeros((b, t), jnp.int32) if doc_start is None else doc_start
+  qa_c, qi_c, wi_c, st_c = _query_chunks(c, t, q_abs, q_i, w_i, start)
 
   @jax.checkpoint
   def chunk_kl(args):
-    qa, qi, wi, lim = args
-    valid = (jnp.arange(s)[None, :] <= lim[:, None])[None]            # [1, c, s]
+    qa, qi, wi, lim, st = args
+    pos = jnp.arange(s)
+    valid = (pos[None, :] <= lim[:, None])[None] & (pos[None, None, :] >= st[..., None])
     attn = jnp.einsum("bchd,bsd->bchs", qa, kv, preferred_element_type=jnp.float32) * scale
     p = _target(attn, valid)
     return _kl(p, indexer_ref.index_scores(qi, k_i, wi), valid)       # [b, c]
 
-  kl = jax.lax.map(chunk_kl, (qa_c, qi_c, wi_c, limit))
+  kl = jax.lax.map(chunk_kl, (qa_c, qi_c, wi_c, limit, st_c))
   kl = kl.swapaxes(0, 1).reshape(b, -1)[:, :t]
   return _masked_mean(kl, mask_bt)
 
 
 def indexer_kl_sparse(q_abs, kv, q_i, k_i, w_i, *, scale, indices, chunk_size=256,
-                      mask_bt=None):
+                      mask_bt=None, doc_start=None):
   """Sparse-stage indexer loss: the KL restricted to the selected set S_t (eq. 4).
 
-  Same arguments as `indexer_kl_dense`, plus `indices` [b, t, k] (-1 = empty);
+  Same arguments as `indexer_kl_dense`, plus `indices` [b, t, k] (-1 = empty),
+  which already respect document boundaries (so `doc_start` is unused);
   memory O(b * chunk * k * (d + h)).
   """
+  del doc_start
   b, t = q_abs.shape[:2]
   q_abs, kv = jax.lax.stop_gradient(q_abs), jax.lax.stop_gradient(kv)
   c = max(1, min(chunk_size, t))

@@ -6,51 +6,57 @@ h heads, k top-k slots, d head dim.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 
-def indexer_inputs(key, b: int, t: int, s: int, h_i: int, d_i: int, dtype=jnp.float32):
-  """Random (q [b,t,h_i,d_i], k [b,s,d_i], w [b,t,h_i]) with the scales folded in (spec §2.4)."""
-  kq, kk, kw = jax.random.split(key, 3)
-  q = jax.random.normal(kq, (b, t, h_i, d_i), jnp.float32) * d_i ** -0.5
-  k = jax.random.normal(kk, (b, s, d_i), jnp.float32)
-  w = jax.random.normal(kw, (b, t, h_i), jnp.float32) * h_i ** -0.5
-  return q.astype(dtype), k.astype(dtype), w.astype(dtype)
+def _rng(seed: int):
+  return np.random.default_rng(seed)
 
 
-def tied_indexer_inputs(key, b: int, t: int, s: int, h_i: int, d_i: int, dtype=jnp.float32):
-  """Indexer inputs whose scores are exact small multiples of 1/4, so most are tied.
+def indexer_inputs(seed: int, b: int, t: int, s: int, h_i: int, d_i: int, dtype=jnp.float32):
+  """Random (q [b,t,h_i,d_i], k [b,s,d_i], w [b,t,h_i]) with the scales folded in (spec §2.4).
+
+  Built with numpy (no XLA compile per input, which dominates tiny CPU tests).
+  """
+  rng = _rng(seed)
+  q = rng.standard_normal((b, t, h_i, d_i), np.float32) * d_i ** -0.5
+  k = rng.standard_normal((b, s, d_i), np.float32)
+  w = rng.standard_normal((b, t, h_i), np.float32) * h_i ** -0.5
+  return tuple(jnp.asarray(x, dtype) for x in (q, k, w))
+
+
+def tied_indexer_inputs(seed: int, b: int, t: int, s: int, h_i: int, d_i: int,
+                        dtype=jnp.float32):
+  """Indexer inputs whose scores are exact small multiples of 1/4, so many are tied.
 
   q and k hold values in {-1, 0, 1} and w in {0.25, 0.5, 1}: every product and
   every partial sum is exactly representable (in bfloat16 inputs too), so any
   summation order gives the same float32 score and ties are real ties.
   """
-  kq, kk, kw = jax.random.split(key, 3)
-  q = jax.random.randint(kq, (b, t, h_i, d_i), -1, 2).astype(dtype)
-  k = jax.random.randint(kk, (b, s, d_i), -1, 2).astype(dtype)
-  w = (2.0 ** -jax.random.randint(kw, (b, t, h_i), 0, 3)).astype(dtype)
-  return q, k, w
+  rng = _rng(seed)
+  q = rng.integers(-1, 2, (b, t, h_i, d_i))
+  k = rng.integers(-1, 2, (b, s, d_i))
+  w = 2.0 ** -rng.integers(0, 3, (b, t, h_i))
+  return tuple(jnp.asarray(x, dtype) for x in (q, k, w))
 
 
-def mla_inputs(key, b: int, t: int, s: int, h: int, d: int, dtype=jnp.float32):
+def mla_inputs(seed: int, b: int, t: int, s: int, h: int, d: int, dtype=jnp.float32):
   """Random absorbed queries q [b,t,h,d] and cache rows kv [b,s,d]."""
-  kq, kk = jax.random.split(key)
-  q = jax.random.normal(kq, (b, t, h, d), jnp.float32)
-  kv = jax.random.normal(kk, (b, s, d), jnp.float32)
-  return q.astype(dtype), kv.astype(dtype)
+  rng = _rng(seed)
+  q = rng.standard_normal((b, t, h, d), np.float32)
+  kv = rng.standard_normal((b, s, d), np.float32)
+  return jnp.asarray(q, dtype), jnp.asarray(kv, dtype)
 
 
-def unique_indices(key, b: int, t: int, s: int, topk: int, p_empty: float = 0.0):
+def unique_indices(seed: int, b: int, t: int, s: int, topk: int, p_empty: float = 0.0):
   """int32 [b, t, topk]: distinct random rows per query, -1 beyond s and with prob p_empty."""
-  k_perm, k_empty = jax.random.split(key)
-  order = jnp.argsort(jax.random.uniform(k_perm, (b, t, s)), axis=-1).astype(jnp.int32)
-  idx = order[..., :topk]
+  rng = _rng(seed)
+  idx = np.argsort(rng.random((b, t, s)), axis=-1)[..., :topk]
   if topk > s:
-    idx = jnp.concatenate([idx, jnp.full((b, t, topk - s), -1, jnp.int32)], axis=-1)
-  empty = jax.random.uniform(k_empty, (b, t, topk)) < p_empty
-  return jnp.where(empty, -1, idx)
+    idx = np.concatenate([idx, np.full((b, t, topk - s), -1)], axis=-1)
+  idx = np.where(rng.random((b, t, topk)) < p_empty, -1, idx)
+  return jnp.asarray(idx, jnp.int32)
 
 
 def max_rel_error(actual, expected) -> float:

@@ -25,20 +25,21 @@ TILES = {"tpu": dict(block_q=8, block_k=8), "gpu": dict(block_q=16, block_k=16)}
 BACKENDS = sorted(TILES)
 
 
-def _kernel_topk(q, k, w, topk, backend, chunk_size=16):
+def _kernel_topk(q, k, w, topk, backend, chunk_size=16, start=None):
   f = functools.partial(kernel.topk_indices, topk=topk, interpret=True, backend=backend,
                         chunk_size=chunk_size, **TILES[backend])
-  return np.asarray(jax.jit(f)(q, k, w))
+  return np.asarray(jax.jit(f)(q, k, w, start=start))
 
 
-def _reference_topk(q, k, w, topk):
-  return np.asarray(reference.topk_indices_reference(q, k, w, topk, chunk_size=8))
+def _reference_topk(q, k, w, topk, start=None):
+  f = functools.partial(reference.topk_indices_reference, topk=topk, chunk_size=8)
+  return np.asarray(jax.jit(f)(q, k, w, start=start))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_prefill_matches_reference(backend):
   # t = s = 37: not a multiple of any tile or chunk; topk 12 < causal keys for most queries.
-  q, k, w = testing.indexer_inputs(jax.random.key(11), b=2, t=37, s=37, h_i=3, d_i=16)
+  q, k, w = testing.indexer_inputs(11, b=2, t=37, s=37, h_i=3, d_i=16)
   np.testing.assert_array_equal(_kernel_topk(q, k, w, 12, backend),
                                 _reference_topk(q, k, w, 12))
 
@@ -46,14 +47,14 @@ def test_prefill_matches_reference(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_chunked_prefill_matches_reference(backend):
   # t < s: the 21 queries are the last 21 positions of 45 keys, over two chunks of 16.
-  q, k, w = testing.indexer_inputs(jax.random.key(12), b=2, t=21, s=45, h_i=2, d_i=16)
+  q, k, w = testing.indexer_inputs(12, b=2, t=21, s=45, h_i=2, d_i=16)
   np.testing.assert_array_equal(_kernel_topk(q, k, w, 10, backend),
                                 _reference_topk(q, k, w, 10))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_decode_matches_reference(backend):
-  q, k, w = testing.indexer_inputs(jax.random.key(13), b=3, t=1, s=29, h_i=4, d_i=16)
+  q, k, w = testing.indexer_inputs(13, b=3, t=1, s=29, h_i=4, d_i=16)
   np.testing.assert_array_equal(_kernel_topk(q, k, w, 7, backend),
                                 _reference_topk(q, k, w, 7))
 
@@ -61,7 +62,7 @@ def test_decode_matches_reference(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_topk_beyond_causal_keys_fills_minus_one(backend):
   # topk 20 > s 13: query i sees i + 1 keys, the other slots hold -1.
-  q, k, w = testing.indexer_inputs(jax.random.key(14), b=1, t=13, s=13, h_i=2, d_i=16)
+  q, k, w = testing.indexer_inputs(14, b=1, t=13, s=13, h_i=2, d_i=16)
   got = _kernel_topk(q, k, w, 20, backend)
   np.testing.assert_array_equal(got, _reference_topk(q, k, w, 20))
   np.testing.assert_array_equal((got >= 0).sum(-1)[0], np.arange(1, 14))
@@ -69,7 +70,7 @@ def test_topk_beyond_causal_keys_fills_minus_one(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bfloat16_inputs_match_reference(backend):
-  q, k, w = testing.indexer_inputs(jax.random.key(15), b=2, t=19, s=19, h_i=2, d_i=16,
+  q, k, w = testing.indexer_inputs(15, b=2, t=19, s=19, h_i=2, d_i=16,
                                    dtype=jnp.bfloat16)
   np.testing.assert_array_equal(_kernel_topk(q, k, w, 6, backend),
                                 _reference_topk(q, k, w, 6))
@@ -77,9 +78,9 @@ def test_bfloat16_inputs_match_reference(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_tied_scores_break_to_lower_position(backend):
-  q, k, w = testing.tied_indexer_inputs(jax.random.key(16), b=2, t=24, s=24, h_i=2, d_i=4)
+  q, k, w = testing.tied_indexer_inputs(16, b=2, t=24, s=24, h_i=2, d_i=4)
   topk = 6
-  scores = np.asarray(reference.index_scores(q, k, w))
+  scores = np.asarray(jax.jit(reference.index_scores)(q, k, w))
   # The inputs must really tie at the selection boundary, or this test proves nothing.
   tied_rows = 0
   for bi in range(2):
@@ -95,9 +96,20 @@ def test_tied_scores_break_to_lower_position(backend):
   assert np.all(got[..., 1:][same] > got[..., :-1][same])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_document_starts_match_reference(backend):
+  # Packed rows: documents [0, 11), [11, 26), [26, 30); a query sees only its own document.
+  q, k, w = testing.indexer_inputs(20, b=2, t=30, s=30, h_i=2, d_i=16)
+  bounds = np.array([0] * 11 + [11] * 15 + [26] * 4, np.int32)
+  start = jnp.asarray(np.stack([bounds, np.zeros(30, np.int32)]))
+  got = _kernel_topk(q, k, w, 8, backend, start=start)
+  np.testing.assert_array_equal(got, _reference_topk(q, k, w, 8, start=start))
+  assert np.all((got[0] < 0) | (got[0] >= bounds[:, None]))
+
+
 def test_api_pallas_impl_matches_xla_impl():
   # The lead's dispatcher with its defaults: impl="pallas", interpret on CPU -> TPU kernel.
-  q, k, w = testing.indexer_inputs(jax.random.key(17), b=1, t=9, s=20, h_i=2, d_i=16)
+  q, k, w = testing.indexer_inputs(17, b=1, t=9, s=20, h_i=2, d_i=16)
   got = lightning_indexer.topk_indices(q, k, w, 5, impl="pallas", interpret=True)
   want = lightning_indexer.topk_indices(q, k, w, 5, impl="xla")
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -109,12 +121,12 @@ def test_api_pallas_impl_matches_xla_impl():
     ("gpu", dict(block_q=8), "block_q"),
 ])
 def test_illegal_tiles_are_rejected(backend, tiles, name):
-  q, k, w = testing.indexer_inputs(jax.random.key(18), b=1, t=4, s=4, h_i=1, d_i=16)
+  q, k, w = testing.indexer_inputs(18, b=1, t=4, s=4, h_i=1, d_i=16)
   with pytest.raises(ValueError, match=name):
     kernel.topk_indices(q, k, w, 2, interpret=True, backend=backend, **tiles)
 
 
 def test_unknown_backend_is_rejected():
-  q, k, w = testing.indexer_inputs(jax.random.key(19), b=1, t=4, s=4, h_i=1, d_i=16)
+  q, k, w = testing.indexer_inputs(19, b=1, t=4, s=4, h_i=1, d_i=16)
   with pytest.raises(ValueError, match="backend='cuda'"):
     kernel.topk_indices(q, k, w, 2, interpret=True, backend="cuda")

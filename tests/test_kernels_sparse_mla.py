@@ -37,6 +37,10 @@ def _reference_fn(v_dim, scale):
                                    chunk_size=4))
 
 
+def _indexer_topk(q, k, w, topk):
+  return jax.jit(indexer_reference.topk_indices_reference, static_argnums=3)(q, k, w, topk)
+
+
 def _check_forward(backend, q, kv, idx, v_dim, rel):
   scale = q.shape[-1] ** -0.5
   out, lse = jax.jit(_kernel_fn(backend, v_dim, scale))(q, kv, idx)
@@ -49,11 +53,11 @@ def _check_forward(backend, q, kv, idx, v_dim, rel):
 
 def _check_forward_and_gradients(backend, q, kv, idx, v_dim, rel):
   scale = q.shape[-1] ** -0.5
-  k_o, k_l = jax.random.split(jax.random.key(99))
   b, t, h, _ = q.shape
+  rng = np.random.default_rng(99)
   # Cotangents for both outputs; lse's matters wherever a caller uses it (e.g. a KL loss).
-  d_out = jax.random.normal(k_o, (b, t, h, v_dim), jnp.float32).astype(q.dtype)
-  d_lse = jax.random.normal(k_l, (b, t, h), jnp.float32)
+  d_out = jnp.asarray(rng.standard_normal((b, t, h, v_dim)), q.dtype)
+  d_lse = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
 
   def outputs_and_grads(fn, a, b):
     outs, vjp = jax.vjp(lambda a, b: fn(a, b, idx), a, b)
@@ -73,8 +77,8 @@ def _check_forward_and_gradients(backend, q, kv, idx, v_dim, rel):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_forward_float32_random_slots(backend):
   # topk 21: not a multiple of the block; ~20% empty slots; one query with none at all.
-  q, kv = testing.mla_inputs(jax.random.key(1), b=2, t=5, s=37, h=3, d=24)
-  idx = testing.unique_indices(jax.random.key(2), 2, 5, 37, 21, p_empty=0.2)
+  q, kv = testing.mla_inputs(1, b=2, t=5, s=37, h=3, d=24)
+  idx = testing.unique_indices(2, 2, 5, 37, 21, p_empty=0.2)
   idx = idx.at[1, 3].set(-1)
   out, lse = _check_forward(backend, q, kv, idx, v_dim=16, rel=REL[jnp.float32])
   assert np.all(np.asarray(out[1, 3]) == 0) and np.all(np.isneginf(np.asarray(lse[1, 3])))
@@ -83,8 +87,8 @@ def test_forward_float32_random_slots(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_forward_matches_dense_oracle(backend):
   # An independent oracle: full [t, s] logits with the selection as a mask.
-  q, kv = testing.mla_inputs(jax.random.key(3), b=1, t=4, s=30, h=2, d=24)
-  idx = testing.unique_indices(jax.random.key(4), 1, 4, 30, 11, p_empty=0.3)
+  q, kv = testing.mla_inputs(3, b=1, t=4, s=30, h=2, d=24)
+  idx = testing.unique_indices(4, 1, 4, 30, 11, p_empty=0.3)
   scale = 24 ** -0.5
   out, lse = jax.jit(_kernel_fn(backend, 16, scale))(q, kv, idx)
   want_out, want_lse = reference.sparse_mla_dense_oracle(q, kv, idx, v_dim=16, scale=scale)
@@ -96,50 +100,50 @@ def test_forward_matches_dense_oracle(backend):
 def test_forward_with_indexer_selection_and_value_equal_to_d(backend):
   # Prefill over indexer output: early queries have fewer causal keys than topk (-1 tails).
   # v_dim == d_qk: no rope tail at all.
-  qi, ki, wi = testing.indexer_inputs(jax.random.key(7), b=2, t=17, s=17, h_i=2, d_i=16)
-  idx = indexer_reference.topk_indices_reference(qi, ki, wi, 9)
-  q, kv = testing.mla_inputs(jax.random.key(8), b=2, t=17, s=17, h=2, d=16)
+  qi, ki, wi = testing.indexer_inputs(7, b=2, t=17, s=17, h_i=2, d_i=16)
+  idx = _indexer_topk(qi, ki, wi, 9)
+  q, kv = testing.mla_inputs(8, b=2, t=17, s=17, h=2, d=16)
   _check_forward(backend, q, kv, idx, v_dim=16, rel=REL[jnp.float32])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_forward_and_gradients_float32(backend):
   # Chunked prefill shape (t < s), batch 2, empty slots and one fully empty query.
-  q, kv = testing.mla_inputs(jax.random.key(9), b=2, t=4, s=33, h=3, d=24)
-  idx = testing.unique_indices(jax.random.key(10), 2, 4, 33, 19, p_empty=0.25)
+  q, kv = testing.mla_inputs(9, b=2, t=4, s=33, h=3, d=24)
+  idx = testing.unique_indices(10, 2, 4, 33, 19, p_empty=0.25)
   idx = idx.at[0, 2].set(-1)
   _check_forward_and_gradients(backend, q, kv, idx, v_dim=16, rel=REL[jnp.float32])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_forward_and_gradients_bfloat16(backend):
-  q, kv = testing.mla_inputs(jax.random.key(11), b=1, t=3, s=30, h=4, d=24, dtype=jnp.bfloat16)
-  idx = testing.unique_indices(jax.random.key(12), 1, 3, 30, 17, p_empty=0.1)
+  q, kv = testing.mla_inputs(11, b=1, t=3, s=30, h=4, d=24, dtype=jnp.bfloat16)
+  idx = testing.unique_indices(12, 1, 3, 30, 17, p_empty=0.1)
   _check_forward_and_gradients(backend, q, kv, idx, v_dim=16, rel=REL[jnp.bfloat16])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_forward_and_gradients_decode_with_indexer_selection(backend):
   # Decode: one query at the last of 26 positions, topk 32 > 26 keys (a -1 tail).
-  qi, ki, wi = testing.indexer_inputs(jax.random.key(13), b=2, t=1, s=26, h_i=2, d_i=16)
-  idx = indexer_reference.topk_indices_reference(qi, ki, wi, 32)
-  q, kv = testing.mla_inputs(jax.random.key(14), b=2, t=1, s=26, h=2, d=24)
+  qi, ki, wi = testing.indexer_inputs(13, b=2, t=1, s=26, h_i=2, d_i=16)
+  idx = _indexer_topk(qi, ki, wi, 32)
+  q, kv = testing.mla_inputs(14, b=2, t=1, s=26, h=2, d=24)
   _check_forward_and_gradients(backend, q, kv, idx, v_dim=16, rel=REL[jnp.float32])
 
 
 def test_tpu_forward_and_gradients_with_duplicate_slots():
   # A row named twice by one query counts twice (as in the reference); the TPU
   # backward's read-modify-write of dkv must not lose either contribution.
-  q, kv = testing.mla_inputs(jax.random.key(15), b=1, t=3, s=10, h=2, d=24)
-  idx = jax.random.randint(jax.random.key(16), (1, 3, 12), -1, 10)
+  q, kv = testing.mla_inputs(15, b=1, t=3, s=10, h=2, d=24)
+  idx = jnp.asarray(np.random.default_rng(16).integers(-1, 10, (1, 3, 12)), jnp.int32)
   assert any(len(set(r[r >= 0])) < len(r[r >= 0]) for r in np.asarray(idx)[0])
   _check_forward_and_gradients("tpu", q, kv, idx, v_dim=16, rel=REL[jnp.float32])
 
 
 def test_api_pallas_impl_matches_xla_impl():
   # The lead's dispatcher with its defaults: impl="pallas", interpret on CPU -> TPU kernels.
-  q, kv = testing.mla_inputs(jax.random.key(17), b=1, t=3, s=20, h=2, d=24)
-  idx = testing.unique_indices(jax.random.key(18), 1, 3, 20, 8, p_empty=0.2)
+  q, kv = testing.mla_inputs(17, b=1, t=3, s=20, h=2, d=24)
+  idx = testing.unique_indices(18, 1, 3, 20, 8, p_empty=0.2)
   got = sparse_attention.sparse_mla(q, kv, idx, v_dim=16, scale=0.2, impl="pallas",
                                     interpret=True)
   want = sparse_attention.sparse_mla(q, kv, idx, v_dim=16, scale=0.2, impl="xla")
@@ -149,7 +153,7 @@ def test_api_pallas_impl_matches_xla_impl():
 
 @pytest.mark.parametrize("backend,block_k", [("tpu", 12), ("gpu", 24), ("gpu", 8)])
 def test_illegal_block_is_rejected(backend, block_k):
-  q, kv = testing.mla_inputs(jax.random.key(19), b=1, t=1, s=8, h=1, d=24)
+  q, kv = testing.mla_inputs(19, b=1, t=1, s=8, h=1, d=24)
   idx = jnp.zeros((1, 1, 4), jnp.int32)
   with pytest.raises(ValueError, match="block_k"):
     kernel.sparse_mla(q, kv, idx, v_dim=16, scale=1.0, interpret=True, backend=backend,

@@ -125,8 +125,8 @@ def _owners(tx, shapes):
     moments = getattr(inner.inner_state[0], "mu", None) if inner.inner_state else None
     if moments is None:
       continue
-    owners = jax.tree.map(lambda o, m, n=name: o if is_masked(m) else "+".join(filter(None, (o, n))),
-                          owners, moments, is_leaf=is_masked)
+    add = lambda o, m, n=name: o if is_masked(m) else "+".join(filter(None, (o, n)))
+    owners = jax.tree.map(add, owners, moments, is_leaf=is_masked)
   return owners
 
 
@@ -292,7 +292,8 @@ def test_frozen_accepts_a_prefix_tree():
   params = _tiny_params()
   prefix = {k: k != "lm_head" for k in params}  # freeze all but the output head
   _, final, _ = _run(optim.muon_split(frozen=prefix), params, [_materialize(params)])
-  np.testing.assert_array_equal(final["layers_1"]["attn"]["wq_b"], params["layers_1"]["attn"]["wq_b"])
+  np.testing.assert_array_equal(final["layers_1"]["attn"]["wq_b"],
+                                params["layers_1"]["attn"]["wq_b"])
   assert not np.array_equal(final["lm_head"]["kernel"], params["lm_head"]["kernel"])
 
 
@@ -305,6 +306,20 @@ def test_reset_returns_a_state_equal_to_a_fresh_init():
   chex.assert_trees_all_equal(optim.reset(TX, state, params), fresh)
   with pytest.raises(ValueError, match="tree structure"):
     optim.reset(optax.adamw(1e-3), state, params)
+
+
+def test_reset_can_keep_the_learning_rate_schedule_position():
+  params = {"attn": {"wq_a": jnp.ones((4, 3))}, "final_norm": {"scale": jnp.ones(3)}}
+  tx = optim.muon_split(learning_rate=optax.linear_schedule(1.0, 0.0, 10))
+  _, _, state = _run(tx, params, [jax.tree.map(jnp.ones_like, params)] * 3)
+  kept = optim.reset(tx, state, params, keep_schedule=True)
+  fresh = tx.init(params)
+  is_sched = lambda x: isinstance(x, optax.ScaleByScheduleState)
+  counts = lambda st: [int(x.count) for x in jax.tree.leaves(st, is_leaf=is_sched)
+                       if is_sched(x)]
+  assert counts(kept) == [3] * 3 and counts(fresh) == [0] * 3  # muon_split, muon, adamw chains
+  moments = lambda st: st.inner_states["muon"].inner_state[0]
+  chex.assert_trees_all_equal(moments(kept), moments(fresh))
 
 
 def test_update_metrics_match_a_direct_computation():
@@ -334,6 +349,12 @@ _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permut
 def _count_collectives(hlo_text):
   return {c: sum(line.count(f" {c}(") + line.count(f" {c}-start(")
                  for line in hlo_text.splitlines()) for c in _COLLECTIVES}
+
+
+def _get(tree, path):
+  for key in path:
+    tree = tree[key.key]
+  return tree
 
 
 def _sharded_check():
@@ -400,9 +421,20 @@ def _sharded_check():
       got.append(u)
     diff = max(float(jnp.max(jnp.abs(a - b))) for w, g in zip(want, got)
                for a, b in zip(jax.tree.leaves(w), jax.tree.leaves(g)))
+    # Every moment buffer (Muon mu, Adam mu and nu) is sharded like its parameter.
+    moments = [(k, getattr(inner.inner_state[0], k)) for inner in state.inner_states.values()
+               if inner.inner_state for k in ("mu", "nu")
+               if hasattr(inner.inner_state[0], k)]
+    mismatched = [f"{k}{jax.tree_util.keystr(path)}"
+                  for k, tree in moments
+                  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+                  if not x.sharding.is_equivalent_to(
+                      _get(shardings, path), x.ndim)]
     mu = state.inner_states["muon_split"].inner_state[0].mu["layers_0"]["attn"]["wq_b"]
     out["split" if split else "whole"] = {
         "max_abs_diff": diff, "mu_spec": str(mu.sharding.spec),
+        "n_moments": sum(len(jax.tree.leaves(t)) for _, t in moments),
+        "moments_not_sharded_like_params": mismatched,
         # W^UQ alone, heads sharded over 'tensor' (and, second, q_lora over 'fsdp' too).
         "collectives_wq_b": collectives(tx, ("attn", "wq_b"), (r, h, k), P(None, "tensor")),
         "collectives_wq_b_fsdp": collectives(tx, ("attn", "wq_b"), (r, h, k),
@@ -427,6 +459,7 @@ def test_sharded_update_on_8_devices_equals_unsharded_and_per_head_ns_has_no_col
   for variant in ("split", "whole"):
     assert res[variant]["max_abs_diff"] < 1e-5, res
     assert res[variant]["mu_spec"] == str(jax.sharding.PartitionSpec(None, "tensor", None)), res
+    assert res[variant]["n_moments"] == 13 and not res[variant]["moments_not_sharded_like_params"]
   # Per-head (per-expert) Newton–Schulz on head- (expert-) sharded weights is shard-local.
   assert sum(res["split"]["collectives_wq_b"].values()) == 0, res
   assert sum(res["collectives_experts"].values()) == 0, res

@@ -23,12 +23,14 @@ class DecoderLayer(nn.Module):
   has_indexer: bool = True
 
   @nn.compact
-  def __call__(self, h_btd, cos, sin, prev_indices=None, with_indexer_loss=False):
+  def __call__(self, h_btd, cos, sin, prev_indices=None, doc_start=None,
+               with_indexer_loss=False):
     cfg = self.cfg
     h_btd = nn.with_logical_constraint(h_btd, _ACT)
     x = norms.RMSNorm(cfg.rms_norm_eps, param_dtype=cfg.param_dtype, name="input_norm")(h_btd)
     attn, indices, kl = mla_lib.MLA(cfg, self.has_indexer, name="attn")(
-        x, cos, sin, prev_indices=prev_indices, with_indexer_loss=with_indexer_loss)
+        x, cos, sin, prev_indices=prev_indices, doc_start=doc_start,
+        with_indexer_loss=with_indexer_loss)
     h_btd = h_btd + attn.astype(h_btd.dtype)
     x = norms.RMSNorm(cfg.rms_norm_eps, param_dtype=cfg.param_dtype,
                       name="post_attention_norm")(h_btd)
@@ -46,4 +48,4 @@ def remat_layer(cfg):
     return DecoderLayer
   policy = (None if cfg.remat == "full"
             else jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims)
-  return nn.remat(DecoderLayer, policy=policy, static_argnums=(5,))
+  return nn.remat(DecoderLayer, policy=policy, static_argnums=(6,))

@@ -58,8 +58,13 @@ class Indexer(nn.Module):
     return q * di ** -0.5, k, w
 
 
-def select_topk(cfg, q, k, w):
-  """int32 [b, t, index_topk] deterministic causal top-k (see pallas_kernels)."""
+def select_topk(cfg, q, k, w, doc_start=None):
+  """int32 [b, t, index_topk] deterministic causal top-k (see pallas_kernels).
+
+  doc_start [b, t]: first key of each query's document (packed rows); keys of
+  other documents are never selected.
+  """
   return lightning_indexer.topk_indices(
       q, k, w, cfg.index_topk, impl=cfg.attention_impl,
-      interpret=jax.default_backend() == "cpu", chunk_size=cfg.attention_chunk_size)
+      interpret=jax.default_backend() == "cpu", chunk_size=cfg.attention_chunk_size,
+      start=doc_start)

@@ -36,6 +36,11 @@ def causal_mask(t: int, s: int):
   return jnp.arange(s)[None, :] <= (jnp.arange(t) + (s - t))[:, None]
 
 
+def document_mask(doc_start_bt, s: int):
+  """[b, t, s] bool: key j is in the query's document (j >= its document start)."""
+  return jnp.arange(s)[None, None, :] >= doc_start_bt[..., None]
+
+
 def topk_mask(indices_btk, s: int):
   """[b, t, s] bool: key j is among the selected indices (-1 slots ignored)."""
   onehot = jax.nn.one_hot(jnp.where(indices_btk >= 0, indices_btk, s), s + 1, dtype=jnp.bool_)
@@ -98,7 +103,8 @@ class MLA(nn.Module):
   has_indexer: bool = True
 
   @nn.compact
-  def __call__(self, x_btd, cos, sin, *, prev_indices=None, with_indexer_loss=False):
+  def __call__(self, x_btd, cos, sin, *, prev_indices=None, doc_start=None,
+               with_indexer_loss=False):
     cfg = self.cfg
     dt = jnp.dtype(cfg.dtype)
     h, n, p, v = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
@@ -129,12 +135,15 @@ class MLA(nn.Module):
       q_i, k_i, w_i = indexer_lib.Indexer(cfg, name="indexer")(x_btd, c_q, cos, sin)
       self.sow("intermediates", "indexer_qkw", (q_i, k_i, w_i))   # for tests / analysis
       if cfg.attention_type == "sparse":
-        indices = indexer_lib.select_topk(cfg, q_i, k_i, w_i)
+        indices = indexer_lib.select_topk(cfg, q_i, k_i, w_i, doc_start)
 
     t = x.shape[1]
     if cfg.attention_type == "dense":
-      o = mla_expanded_attention(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv,
-                                 causal_mask(t, t)[None], cfg.softmax_scale)
+      mask = causal_mask(t, t)[None]
+      if doc_start is not None:
+        mask = mask & document_mask(doc_start, t)
+      o = mla_expanded_attention(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, mask,
+                                 cfg.softmax_scale)
     else:
       if indices is None:
         raise ValueError("a 'shared' indexer layer needs the previous full layer's top-k")
@@ -146,6 +155,6 @@ class MLA(nn.Module):
       q_abs = absorb_query(q_nope, q_rope, w_uk)
       kv = jnp.concatenate([c_kv, k_rope], axis=-1)
       kl_fn = losses.indexer_kl_dense if cfg.attention_type == "dense" else losses.indexer_kl_sparse
-      kl = kl_fn(q_abs, kv, q_i, k_i, w_i, scale=cfg.softmax_scale,
-                 indices=indices, chunk_size=cfg.attention_chunk_size)
+      kl = kl_fn(q_abs, kv, q_i, k_i, w_i, scale=cfg.softmax_scale, indices=indices,
+                 chunk_size=cfg.attention_chunk_size, doc_start=doc_start)
     return out, indices, kl

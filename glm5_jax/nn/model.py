@@ -99,13 +99,16 @@ class GLM5(nn.Module):
   cfg: "ModelConfig"  # noqa: F821
 
   @nn.compact
-  def __call__(self, tokens, positions=None, *, with_indexer_loss: bool = False,
+  def __call__(self, tokens, positions=None, segment_ids=None, *,
+               with_indexer_loss: bool = False,
                return_logits: bool = True, return_topk: bool = False, mtp: bool | None = None):
     """Forward pass.
 
     Args:
       tokens: int32 [b, t].
-      positions: int32 [b, t] RoPE positions (default 0..t-1).
+      positions: int32 [b, t] RoPE positions (default 0..t-1; per document when packed).
+      segment_ids: int32 [b, t] document ids of packed rows (contiguous runs);
+        attention and the indexer never cross a document boundary.
       with_indexer_loss: also compute the per-layer indexer KL (dense form for
         `attention_type="dense"`, sparse form for "sparse"; spec §2.5).
       return_logits: False skips the [b, t, V] logits (use `hidden` with
@@ -119,6 +122,7 @@ class GLM5(nn.Module):
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     cos, sin = rope.rope_angles(positions, cfg.qk_rope_head_dim, cfg.rope_theta)
+    doc_start = None if segment_ids is None else document_starts(segment_ids)
     embed = Embed(cfg, name="embed")
     head = Head(cfg, name="lm_head")
     final_norm = norms.RMSNorm(cfg.rms_norm_eps, param_dtype=cfg.param_dtype, name="final_norm")
@@ -129,7 +133,8 @@ class GLM5(nn.Module):
     for i in range(cfg.num_hidden_layers):
       full = cfg.indexer_type(i) == "full"
       h, idx, kl, load = layer_cls(cfg, moe=cfg.is_moe_layer(i), has_indexer=full,
-                                   name=f"layers_{i}")(h, cos, sin, indices, with_indexer_loss)
+                                   name=f"layers_{i}")(h, cos, sin, indices, doc_start,
+                                                       with_indexer_loss)
       indices = idx if idx is not None else indices
       kls.append(kl if kl is not None else jnp.zeros((), jnp.float32))
       all_idx.append(idx)
@@ -146,7 +151,7 @@ class GLM5(nn.Module):
       hs, normed, step_kl, step_load = h_final, [], [], []
       for k in range(1, max(cfg.mtp_num_steps, 1) + 1):
         emb_k = embed(mtp_lib.shift_tokens(tokens, k))
-        hs, n_k, _, kl, load = step(emb_k, hs, cos, sin, with_indexer_loss)
+        hs, n_k, _, kl, load = step(emb_k, hs, cos, sin, doc_start, with_indexer_loss)
         normed.append(n_k)
         step_kl.append(kl if kl is not None else jnp.zeros((), jnp.float32))
         step_load.append(load)
@@ -160,6 +165,15 @@ class GLM5(nn.Module):
         indexer_kl=jnp.stack(kls) if with_indexer_loss else None, mtp_indexer_kl=mtp_kl,
         expert_load=jnp.stack(loads) if loads else jnp.zeros((0, cfg.n_routed_experts)),
         mtp_expert_load=mtp_load, topk_indices=tuple(all_idx) if return_topk else None)
+
+
+def document_starts(segment_ids_bt):
+  """[b, t] int32: position where each token's (contiguous) document begins."""
+  t = segment_ids_bt.shape[1]
+  pos = jnp.arange(t, dtype=jnp.int32)
+  change = jnp.concatenate([jnp.ones_like(segment_ids_bt[:, :1], bool),
+                            segment_ids_bt[:, 1:] != segment_ids_bt[:, :-1]], axis=1)
+  return jax.lax.cummax(jnp.where(change, pos[None], 0), axis=1)
 
 
 def init_params(cfg, rng, *, on_host: bool = True):

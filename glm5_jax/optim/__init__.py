@@ -1,4 +1,4 @@
-"""Optimizers: Muon Split (GLM-5 §2.1) over GLM-5 parameter trees.
+"""Optimizers: Muon Split (GLM-5, arXiv 2602.15763) over GLM-5 parameter trees.
 
   tx = optim.muon_split(learning_rate=2e-3, split_heads=True)
   state = tx.init(params)

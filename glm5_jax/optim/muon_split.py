@@ -1,8 +1,8 @@
 """Muon Split: the GLM-5 optimizer, as one optax GradientTransformation.
 
-GLM-5 (arXiv 2602.15763, §2.1 "Muon Split") trains with Muon, but orthogonalizes MLA's
-up-projections W^UQ, W^UK, W^UV per attention head: plain whole-matrix Muon on them
-underperformed GQA-8, the per-head split matched it. Here that is a choice of
+GLM-5 (arXiv 2602.15763, "Muon Split"; glm5_paper_notes.md §1) trains with Muon, but
+orthogonalizes MLA's up-projections W^UQ, W^UK, W^UV per attention head: plain whole-matrix
+Muon on them underperformed GQA-8, the per-head split matched it. Here that is a choice of
 `MuonDimensionNumbers(reduction_axis=0, output_axis=-1)` on the head-major weights
 `[rank, h, head_dim]` (design.md decision 3): heads are batch axes of optax's
 Newton–Schulz, orthogonalized independently.
@@ -12,11 +12,11 @@ What goes where (`param_groups.py` has the rule table):
   muon        every other hidden matrix, routed experts per expert.
   adamw       token embedding, output head, norm scales and biases. This is the Muon recipe of
               Keller Jordan (modded-nanogpt) and Moonlight (Liu et al. 2025, arXiv 2502.16982,
-              §2 and its released code): Muon is steepest descent for matrices that map hidden
+              and its released code): Muon is steepest descent for matrices that map hidden
               states to hidden states; the embedding is a lookup table (one row per token, no
               matrix geometry), the output head's rows are per-token logits, and vectors are not
-              matrices. GLM-4.5 (arXiv 2508.06471 §3, which GLM-5 continues) uses "Muon for all
-              parameters except word embedding, bias, and weights for RMSNorm"; we also keep
+              matrices. GLM-4.5 (arXiv 2508.06471, which GLM-5 continues) reports Muon for all
+              parameters except the word embedding, biases and RMSNorm weights; we also keep
               the untied output head on AdamW as Moonlight does.
   (fixed)     `e_score_correction_bias` is set by the training loop from expert load, never
               by gradient: it gets a zero update (labelled "adamw" in `param_groups`).
@@ -24,7 +24,7 @@ What goes where (`param_groups.py` has the rule table):
 Update per Muon leaf (optax.contrib.scale_by_muon, then ours):
   m_t = β m_{t-1} + (1-β) g_t (bias-corrected; Nesterov: β m̂_t + (1-β) ĝ_t)
   O_t = NS5(m_t) per block      (quintic Newton–Schulz, coefficients 3.4445, -4.7750, 2.0315)
-  W  ← W - lr_t (s · O_t + wd · W),  s = c · sqrt(max(fan_in, fan_out))   (Moonlight eq. 4,
+  W  ← W - lr_t (s · O_t + wd · W),  s = c · sqrt(max(fan_in, fan_out))   (Moonlight's
                                      "consistent RMS": update RMS ≈ c = 0.2, like AdamW's)
 `rms_shape` picks the (fan_in, fan_out) used for s on the muon_split leaves: "per_head"
 (`[rank, head_dim]`, so every block's update RMS is ≈ c, as Moonlight intends) or "full"
@@ -34,6 +34,14 @@ With `consistent_rms=None` the scale is Keller Jordan's `sqrt(max(1, fan_out / f
 AdamW leaves: decoupled weight decay only on matrices (embedding, output head), not on norm
 scales or biases. Frozen leaves (`frozen` mask) and fixed leaves get exactly zero updates and
 hold no optimizer state.
+
+Sharding: the state mirrors the params (`state_shardings`). With heads sharded over a mesh
+axis, per-head Newton–Schulz is shard-local: the compiled update of a head-sharded `wq_b` holds
+no collective (checked in tests/test_optim_muon_split.py), and neither does per-expert NS on
+expert-sharded experts. Whole-matrix NS on the same weights all-reduces X·Xᵀ over the head axis
+at every NS step (6 all-reduces: 5 steps + the Frobenius norm), as does any NS whose fan-in is
+sharded (e.g. FSDP on `q_lora`). Use GSPMD ("Auto") mesh axes: under Explicit axes, optax's
+reshape of a sharded `wo [h, v, d]` into one matrix needs an out_sharding it does not give.
 """
 
 from __future__ import annotations
@@ -123,7 +131,7 @@ def muon_split(
 
   Args:
     learning_rate: float or optax schedule, shared by all groups (with consistent RMS, Muon
-      and AdamW updates have the same RMS, so one learning rate serves both: Moonlight §2.2).
+      and AdamW updates have the same RMS, so one learning rate serves both, as in Moonlight).
     adam_learning_rate: a separate float or schedule for the AdamW group; None = learning_rate.
     weight_decay: decoupled weight decay λ (W ← W - lr·λ·W) on Muon leaves and AdamW matrices.
     beta: Muon momentum.
@@ -185,19 +193,26 @@ def muon_split(
   return optax.partition(transforms, labels)
 
 
-def reset(tx: optax.GradientTransformation, opt_state: Any, params: Any) -> Any:
+def reset(tx: optax.GradientTransformation, opt_state: Any, params: Any, *,
+          keep_schedule: bool = False) -> Any:
   """A fresh `tx.init(params)`, checked against and placed like `opt_state`.
 
-  For the asynchronous RL loop, which resets the optimizer after each weight push (GLM-5 §3).
-  Everything restarts: moments, step counts, and the learning-rate schedule's count. Concrete
-  leaves keep `opt_state`'s shardings, so a jitted step does not recompile; under `jax.jit` the
-  caller's out_shardings apply.
+  For the asynchronous RL loop, which resets the optimizer state after each weight push
+  (GLM-5 "Agentic RL", glm5_paper_notes.md §3; slime's `--reset-optimizer-states`). Moments
+  and step counts (hence Adam's and Muon's bias corrections) restart. The learning-rate
+  schedule's position restarts too unless `keep_schedule=True`, which carries every
+  `ScaleByScheduleState` count over. Concrete leaves keep `opt_state`'s shardings, so a jitted
+  step does not recompile; under `jax.jit` the caller's out_shardings apply.
   """
   fresh = tx.init(params)
   want, got = jax.tree.structure(fresh), jax.tree.structure(opt_state)
   if want != got:
     raise ValueError(f"reset(opt_state=...): the state's tree structure {got} is not that of "
                      f"tx.init(params) {want}: was it made by another optimizer?")
+  if keep_schedule:
+    is_sched = lambda x: isinstance(x, optax.ScaleByScheduleState)
+    fresh = jax.tree.map(lambda new, old: old if is_sched(new) else new, fresh, opt_state,
+                         is_leaf=is_sched)
 
   def place(new, old):
     if isinstance(old, jax.Array) and not isinstance(old, jax.core.Tracer):

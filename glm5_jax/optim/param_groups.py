@@ -5,7 +5,7 @@ Every leaf is classified by its path (the '/'-joined key names, e.g.
 its expected rank is checked. A leaf that no rule matches, or that has an unexpected rank,
 raises a ValueError naming its path: a new parameter must be given a group on purpose.
 
-Groups (GLM-5 paper §2.1 "Muon Split"; Moonlight, Liu et al. 2025, arXiv 2502.16982 §2):
+Groups (GLM-5, arXiv 2602.15763, "Muon Split"; Moonlight, Liu et al. 2025, arXiv 2502.16982):
 
   muon_split  the MLA up-projections W^UQ `attn/wq_b [q_lora, h, nope+rope]`,
               W^UK `attn/w_uk [kv_lora, h, nope]`, W^UV `attn/w_uv [kv_lora, h, v]`.
@@ -19,7 +19,8 @@ Groups (GLM-5 paper §2.1 "Muon Split"; Moonlight, Liu et al. 2025, arXiv 2502.1
               stacks `[E, in, out]`, orthogonalized per expert (experts are batch axes).
   adamw       the token embedding, the output head `lm_head/kernel`, norm scales and biases, and
               `moe/router/e_score_correction_bias`. The bias is not trained by gradient (the
-              training loop sets it from the measured expert load, DeepSeek-V3 §2.1.2), so
+              training loop sets it from the measured expert load: DeepSeek-V3 §2.1.2,
+              auxiliary-loss-free balancing), so
               `muon_split()` gives it a zero update; it is labelled "adamw" only so that every
               leaf sits in exactly one of the three groups.
 
@@ -138,7 +139,7 @@ def path_mask(*names: str, invert: bool = False) -> Callable[[Any], Any]:
 
   Use it for the `frozen` option of `muon_split`:
     dsa_warmup (only the indexer trains): `frozen=path_mask("indexer", invert=True)`
-    rl (the indexer is frozen, paper §3): `frozen=path_mask("indexer")`
+    rl (the indexer is frozen, glm5_paper_notes.md §1 DSA): `frozen=path_mask("indexer")`
   """
   if not names:
     raise ValueError("path_mask(*names): expected at least one key name, got none")

@@ -23,7 +23,7 @@ def _check_shapes(q, k, w, topk):
 
 
 def topk_indices(q, k, w, topk: int, *, impl: str = "xla", interpret: bool = False,
-                 chunk_size: int = 512):
+                 chunk_size: int = 512, start=None):
   """Top-k key positions per query by lightning-indexer score.
 
   Args:
@@ -34,6 +34,8 @@ def topk_indices(q, k, w, topk: int, *, impl: str = "xla", interpret: bool = Fal
     impl: "xla" (chunked jnp) or "pallas" (TPU / GPU kernel).
     interpret: run the Pallas kernel in interpret mode (CPU tests).
     chunk_size: query chunk of the "xla" path.
+    start: optional int32 [b, t], the first key each query may see (packed
+      documents: its document's start). Keys before it are never selected.
 
   Returns:
     int32 [b, t, topk]: for query i (absolute position s - t + i) the keys
@@ -41,11 +43,13 @@ def topk_indices(q, k, w, topk: int, *, impl: str = "xla", interpret: bool = Fal
     -1 fills slots beyond the number of causal keys.
   """
   _check_shapes(q, k, w, topk)
+  if start is not None and start.shape != q.shape[:2]:
+    raise ValueError(f"topk_indices: start{start.shape}, expected [b, t] = {q.shape[:2]}")
   if impl == "xla":
-    return reference.topk_indices_reference(q, k, w, topk, chunk_size=chunk_size)
+    return reference.topk_indices_reference(q, k, w, topk, chunk_size=chunk_size, start=start)
   if impl == "pallas":
     from pallas_kernels.lightning_indexer import kernel  # pylint: disable=g-import-not-at-top
-    return kernel.topk_indices(q, k, w, topk, interpret=interpret)
+    return kernel.topk_indices(q, k, w, topk, start=start, interpret=interpret)
   raise ValueError(f"topk_indices: impl={impl!r}, expected one of {IMPLS}")
 
 

@@ -5,8 +5,9 @@ float32 and the full [t, s] score matrix never exists):
   1. the Pallas kernel (`tpu.py` Mosaic, `gpu.py` Triton) computes the chunk's
      scores tile by tile on chip, skipping causal-dead tiles;
   2. `reference.deterministic_topk` (the one selection function of design.md
-     decision 5: descending score, ties -> lower key position, -1 fill) reduces
-     them to the top-k of each query.
+     decision 5: descending score, ties -> lower key position, -1 fill; keys
+     before a query's document `start` are invisible) reduces them to the
+     top-k of each query.
 Because step 2 is the reference's own function, the selection equals
 `topk_indices_reference` whenever the scores are equal; they are computed by the
 same products summed in a different order, so they agree to float32 rounding
@@ -55,7 +56,7 @@ def _scores_fn(backend: str, block_q: int, block_k: int, interpret):
                            interpret=interpret)
 
 
-def _topk_one_backend(backend, topk, chunk_size, block_q, block_k, interpret, q, k, w):
+def _topk_one_backend(backend, topk, chunk_size, block_q, block_k, interpret, q, k, w, start):
   b, t, h_i, d = q.shape
   s = k.shape[1]
   tq, bk = _tiles(backend, t, s, block_q, block_k)
@@ -70,20 +71,21 @@ def _topk_one_backend(backend, topk, chunk_size, block_q, block_k, interpret, q,
   w_c = _backend.pad_to(w, 1, c).reshape(b, n_chunks, c, h_i).swapaxes(0, 1)
   limit_c = _backend.pad_to(reference.causal_limit(t, s), 0, c).reshape(n_chunks, c)
   q0_c = (jnp.arange(n_chunks, dtype=jnp.int32) * c + (s - t)).reshape(n_chunks, 1)
+  start_c = _backend.pad_to(start, 1, c).reshape(b, n_chunks, c).swapaxes(0, 1)
   scores_fn = _scores_fn(backend, tq, bk, interpret)
 
   def one_chunk(args):
-    q_bjcd, w_bcj, limit, q0 = args
+    q_bjcd, w_bcj, limit, q0, start_bc = args
     scores_bcs = scores_fn(q0, q_bjcd, k_p, w_bcj)[:, :, :s]
-    return reference.deterministic_topk(scores_bcs, limit, topk)
+    return reference.deterministic_topk(scores_bcs, limit, topk, start_bc)
 
-  idx = jax.lax.map(one_chunk, (q_c, w_c, limit_c, q0_c))   # [n, b, c, topk]
+  idx = jax.lax.map(one_chunk, (q_c, w_c, limit_c, q0_c, start_c))   # [n, b, c, topk]
   return idx.swapaxes(0, 1).reshape(b, n_chunks * c, topk)[:, :t]
 
 
-def topk_indices(q, k, w, topk: int, *, interpret=False, backend: str | None = None,
-                 chunk_size: int = DEFAULT_CHUNK, block_q: int | None = None,
-                 block_k: int | None = None):
+def topk_indices(q, k, w, topk: int, *, start=None, interpret=False,
+                 backend: str | None = None, chunk_size: int = DEFAULT_CHUNK,
+                 block_q: int | None = None, block_k: int | None = None):
   """Top-k key positions per query by lightning-indexer score (Pallas scores).
 
   Args:
@@ -91,6 +93,8 @@ def topk_indices(q, k, w, topk: int, *, interpret=False, backend: str | None = N
     k: [b, s, d_i] indexer keys, RoPE applied; s >= t.
     w: [b, t, h_i] per-head weights, h_i**-0.5 folded in.
     topk: slots per query.
+    start: optional int32 [b, t], first key each query may see (packed
+      documents); applied in the selection, as in the reference.
     interpret: run the score kernel in the Pallas interpreter (CPU): True, or a
       `pltpu.InterpretParams` for the TPU kernel.
     backend: "tpu", "gpu", or None (see `pallas_kernels._backend`).
@@ -104,7 +108,9 @@ def topk_indices(q, k, w, topk: int, *, interpret=False, backend: str | None = N
   _backend.check_backend(backend, "topk_indices")
   if chunk_size < 1:
     raise ValueError(f"topk_indices: chunk_size={chunk_size}, expected a positive int")
+  b, t = q.shape[:2]
+  start = jnp.zeros((b, t), jnp.int32) if start is None else start.astype(jnp.int32)
   fns = {name: functools.partial(_topk_one_backend, name, topk, chunk_size, block_q, block_k,
                                  interpret)
          for name in _backend.BACKENDS}
-  return _backend.dispatch(fns, backend, interpret, q, k, w)
+  return _backend.dispatch(fns, backend, interpret, q, k, w, start)

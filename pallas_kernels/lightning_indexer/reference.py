@@ -38,26 +38,29 @@ def causal_limit(t: int, s: int):
   return jnp.arange(t, dtype=jnp.int32) + (s - t)
 
 
-def deterministic_topk(scores_bts, limit_t, topk: int):
-  """Top-k over keys j <= limit[t], ties -> lower j, -1 where fewer keys exist.
+def deterministic_topk(scores_bts, limit_t, topk: int, start_bt=None):
+  """Top-k over keys start[b, t] <= j <= limit[t], ties -> lower j, -1 where fewer keys exist.
 
   Args:
-    scores_bts: [b, t, s] float scores (finite on causal keys).
+    scores_bts: [b, t, s] float scores (finite on visible keys).
     limit_t: [t] int32, last visible key per query (from `causal_limit`).
     topk: number of slots.
+    start_bt: optional [b, t] int32, first visible key per query (packed
+      documents: the query's document start); default 0.
 
   Returns:
     int32 [b, t, topk] key positions, descending score.
   """
   s = scores_bts.shape[-1]
   pos_s = jnp.arange(s, dtype=jnp.int32)
-  visible_ts = pos_s[None, :] <= limit_t[:, None]
-  masked = jnp.where(visible_ts[None], scores_bts.astype(jnp.float32), -jnp.inf)
+  visible = (pos_s[None, :] <= limit_t[:, None])[None]
+  if start_bt is not None:
+    visible = visible & (pos_s[None, None, :] >= start_bt[..., None])
+  masked = jnp.where(visible, scores_bts.astype(jnp.float32), -jnp.inf)
   k_eff = min(topk, s)
   # lax.top_k is stable: among equal values the lower index comes first.
-  _, idx = jax.lax.top_k(masked, k_eff)
-  idx = idx.astype(jnp.int32)
-  idx = jnp.where(idx <= limit_t[None, :, None], idx, -1)
+  vals, idx = jax.lax.top_k(masked, k_eff)
+  idx = jnp.where(vals > -jnp.inf, idx.astype(jnp.int32), -1)
   if k_eff < topk:
     pad = jnp.full(idx.shape[:-1] + (topk - k_eff,), -1, jnp.int32)
     idx = jnp.concatenate([idx, pad], axis=-1)
@@ -74,7 +77,7 @@ def _pad_to(x, axis: int, multiple: int):
   return jnp.pad(x, widths)
 
 
-def topk_indices_reference(q, k, w, topk: int, *, chunk_size: int = 512):
+def topk_indices_reference(q, k, w, topk: int, *, chunk_size: int = 512, start=None):
   """Chunked jnp lightning-indexer top-k (the `impl="xla"` path).
 
   Args:
@@ -83,6 +86,7 @@ def topk_indices_reference(q, k, w, topk: int, *, chunk_size: int = 512):
     w: [b, t, h_i] per-head weights, h_i**-0.5 folded in.
     topk: slots per query.
     chunk_size: queries scored at once; peak memory O(b * chunk * s).
+    start: optional [b, t] int32 first visible key per query (packed documents).
 
   Returns:
     int32 [b, t, topk].
@@ -94,10 +98,12 @@ def topk_indices_reference(q, k, w, topk: int, *, chunk_size: int = 512):
   limit = _pad_to(causal_limit(t, s), 0, c).reshape(n_chunks, c)
   q_c = _pad_to(q, 1, c).reshape(b, n_chunks, c, *q.shape[2:]).swapaxes(0, 1)
   w_c = _pad_to(w, 1, c).reshape(b, n_chunks, c, w.shape[-1]).swapaxes(0, 1)
+  start = jnp.zeros((b, t), jnp.int32) if start is None else start.astype(jnp.int32)
+  s_c = _pad_to(start, 1, c).reshape(b, n_chunks, c).swapaxes(0, 1)
 
   def one_chunk(args):
-    q_bcjd, w_bcj, limit_c = args
-    return deterministic_topk(index_scores(q_bcjd, k, w_bcj), limit_c, topk)
+    q_bcjd, w_bcj, limit_c, start_bc = args
+    return deterministic_topk(index_scores(q_bcjd, k, w_bcj), limit_c, topk, start_bc)
 
-  idx = jax.lax.map(one_chunk, (q_c, w_c, limit))        # [n, b, c, topk]
+  idx = jax.lax.map(one_chunk, (q_c, w_c, limit, s_c))  # [n, b, c, topk]
   return idx.swapaxes(0, 1).reshape(b, n_chunks * c, topk)[:, :t]

@@ -1,0 +1,85 @@
+r"""Pretraining config: `--config=configs/pretrain.py:model=tiny,runlocal=True`.
+
+Arguments (big_vision style): model=<preset>, stage=pretrain|midtrain|dsa_warmup|dsa_sparse,
+runlocal=True shrinks the same config for a laptop CPU. Any field can be overridden:
+`--config.total_steps=300 --config.mesh.fsdp=2`.
+"""
+
+import os
+
+import ml_collections
+
+from configs import common
+
+
+def get_config(arg=None):
+  a = common.parse_arg(arg, model="tiny", stage="pretrain", runlocal=False)
+  c = ml_collections.ConfigDict()
+  c.model = ml_collections.ConfigDict({"preset": a.model})
+  c.stage = a.stage
+  c.seed = 0
+  c.batch_size = 256                      # global, in sequences
+  c.seq_len = 4096
+  c.total_steps = 10_000
+  c.log_every = 10
+  c.eval_every = 500
+  c.eval_batches = 8
+  c.checkpoint_every = 500
+  c.keep_checkpoints = 3
+  c.async_checkpoints = True
+  c.init_from = ""                        # a workdir or checkpoint dir: start from its params
+  c.param_init = "auto"                   # auto | host | jit
+
+  # Optimizer (Muon Split for hidden matrices, AdamW for the rest; glm5_jax/optim).
+  c.optimizer = "muon_split"              # muon_split | adamw
+  c.learning_rate = 2e-3
+  c.adam_learning_rate = 0.0              # 0 = same as learning_rate
+  c.warmup_steps = 200
+  c.final_lr_fraction = 0.1
+  c.weight_decay = 0.1
+  c.grad_clip = 1.0
+  c.loss_chunk = 512                      # sequence chunk of the cross entropy
+  c.bias_update_rate = 1e-3               # aux-loss-free routing-bias speed (DeepSeek-V3)
+  c.peak_tflops = 989.0                   # for the MFU estimate (H100/H200 bf16 dense)
+  c.tensorboard = True
+
+  # Mesh sizes (one -1 = the rest of the devices) and the logical-axis rules.
+  c.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "expert": 1, "tensor": 1})
+  c.mesh_rules = ml_collections.FieldReference(None, field_type=list)
+
+  c.distributed = ml_collections.ConfigDict({
+      "coordinator_address": "", "num_processes": 0, "process_id": -1, "cpu_collectives": False})
+
+  c.data = ml_collections.ConfigDict({
+      "dir": os.path.expanduser("~/.cache/glm5_jax/stdlib_bytes"),
+      "source_dir": "",                   # "" = the Python standard library on this machine
+      "tokenizer": "bytes",               # or a path to a tokenizer.json
+      "pattern": "*.py",
+      "val_fraction": 0.05,
+      "num_shards": 4,
+      "max_files": 0,
+      "prepare_if_missing": True,
+  })
+
+  if a.stage == "midtrain":
+    c.seq_len = 32768
+  if a.stage == "dsa_warmup":
+    c.learning_rate = 1e-3
+    c.warmup_steps = 20
+  if a.stage == "dsa_sparse":
+    c.learning_rate = 7.3e-6 * 100
+
+  if a.runlocal:
+    c.batch_size = 8
+    c.seq_len = 256
+    c.total_steps = 100
+    c.log_every = 10
+    c.eval_every = 50
+    c.eval_batches = 4
+    c.checkpoint_every = 50
+    c.warmup_steps = 10
+    c.loss_chunk = 128
+    c.peak_tflops = 0.2                   # a rough 2-core CPU figure
+    if a.stage == "midtrain":
+      c.seq_len = 512
+  return c

@@ -1,0 +1,185 @@
+r"""DSA kernel benchmark: Pallas kernels vs the xla (jnp) path, against the roofline floor.
+
+  # CPU (kernels in interpret mode; checks that the script and kernels run, times mean little):
+  python -m experiments.bench_kernels --out=/tmp/bench_kernels.json
+  # accelerator, GLM-5 shapes:
+  python -m experiments.bench_kernels --shape=glm5 --lengths=8192,32768,131072 \
+      --out=bench_kernels.json
+
+For each op and sequence length (prefill, t = s), times the `pallas` and `xla`
+implementations (median wall clock after a warm-up; `block_until_ready`), and
+prints the roofline floor: FLOPs that must run and bytes that must move, each at
+the device's peak (`--peak_tflops` / `--peak_gbs`, measured with a large matmul
+and a large copy when 0), floor = max of the two, and the achieved fraction
+floor / time. The sizing is in `pallas_kernels.roofline`.
+
+Ops: `indexer` (scores + top-k), `sparse_fwd` (sparse MLA forward),
+`sparse_fwd_bwd` (forward + gradients of q and kv). Indices come from the
+indexer on random inputs, so early queries have -1 tails as in the model.
+"""
+
+import json
+import time
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import lightning_indexer
+from pallas_kernels import roofline
+from pallas_kernels import sparse_attention
+from pallas_kernels.lightning_indexer import kernel as indexer_kernel
+from pallas_kernels.sparse_attention import kernel as sparse_kernel
+
+SHAPES = {
+    # h, d_qk, v_dim, h_i, d_i, topk (GLM-5 spec §1)
+    "glm5": dict(h=64, d_qk=576, v_dim=512, h_i=32, d_i=128, topk=2048),
+    "tiny": dict(h=4, d_qk=24, v_dim=16, h_i=4, d_i=16, topk=16),
+}
+OPS = ("indexer", "sparse_fwd", "sparse_fwd_bwd")
+
+_SHAPE = flags.DEFINE_enum("shape", "tiny", list(SHAPES), "head/dim preset")
+_LENGTHS = flags.DEFINE_list("lengths", ["64", "128"], "sequence lengths (t = s)")
+_OPS = flags.DEFINE_list("ops", list(OPS), f"subset of {OPS}")
+_IMPLS = flags.DEFINE_list("impls", ["pallas", "xla"], "implementations to time")
+_BATCH = flags.DEFINE_integer("batch", 1, "batch size")
+_DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "activation dtype")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "timed runs per point (median)")
+_PEAK_TFLOPS = flags.DEFINE_float("peak_tflops", 0.0, "matmul peak; 0 = measure")
+_PEAK_GBS = flags.DEFINE_float("peak_gbs", 0.0, "memory bandwidth peak; 0 = measure")
+_CHUNK = flags.DEFINE_integer("chunk_size", 256, "query chunk of both impls")
+_BACKEND = flags.DEFINE_enum(
+    "backend", "auto", ["auto", "tpu", "gpu"],
+    "kernel lowering; auto = the device's, and on CPU the GPU (Triton) kernels, whose "
+    "interpreter is compiled and fast (the TPU interpreter simulates every DMA)")
+_OUT = flags.DEFINE_string("out", "", "JSON output path (optional)")
+
+
+def _time(fn, *args, repeats):
+  jax.block_until_ready(fn(*args))                     # compile + warm up
+  ts = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    ts.append(time.perf_counter() - t0)
+  return float(np.median(ts))
+
+
+def measure_peaks(dtype):
+  """(TFLOP/s of a square matmul, GB/s of an elementwise copy) on the default device."""
+  on_cpu = jax.default_backend() == "cpu"
+  n = 1024 if on_cpu else 8192
+  a = jnp.ones((n, n), dtype)
+  t_mm = _time(jax.jit(lambda x: x @ x), a, repeats=3)
+  m = (16 if on_cpu else 1024) * 2 ** 20 // 4
+  x = jnp.ones((m,), jnp.float32)
+  t_cp = _time(jax.jit(lambda v: v * 2.0), x, repeats=3)
+  return 2 * n ** 3 / t_mm / 1e12, 2 * m * 4 / t_cp / 1e9
+
+
+def _inputs(seed, shape, b, t, dtype):
+  """Random indexer inputs (scales folded in, spec §2.4) and MLA q, kv, drawn on device."""
+  ks = jax.random.split(jax.random.key(seed), 5)
+  h, d, h_i, d_i = shape["h"], shape["d_qk"], shape["h_i"], shape["d_i"]
+
+  def draw():
+    n = lambda k, shp, sc=1.0: (jax.random.normal(k, shp, jnp.float32) * sc).astype(dtype)
+    return (n(ks[0], (b, t, h_i, d_i), d_i ** -0.5), n(ks[1], (b, t, d_i)),
+            n(ks[2], (b, t, h_i), h_i ** -0.5), n(ks[3], (b, t, h, d)), n(ks[4], (b, t, d)))
+  return jax.jit(draw)()
+
+
+def _op_fn(op, impl, shape, backend, chunk):
+  """The jit-ed callable timed for (op, impl)."""
+  interpret = jax.default_backend() == "cpu"
+  scale = shape["d_qk"] ** -0.5
+  if op == "indexer":
+    if impl == "pallas":
+      return jax.jit(lambda q, k, w: indexer_kernel.topk_indices(
+          q, k, w, shape["topk"], chunk_size=chunk, interpret=interpret, backend=backend))
+    return jax.jit(lambda q, k, w: lightning_indexer.topk_indices(
+        q, k, w, shape["topk"], chunk_size=chunk, impl=impl))
+  if impl == "pallas":
+    attn = lambda q, kv, idx: sparse_kernel.sparse_mla(
+        q, kv, idx, v_dim=shape["v_dim"], scale=scale, interpret=interpret, backend=backend)
+  else:
+    attn = lambda q, kv, idx: sparse_attention.sparse_mla(
+        q, kv, idx, v_dim=shape["v_dim"], scale=scale, impl=impl, chunk_size=chunk)
+  if op == "sparse_fwd":
+    return jax.jit(attn)
+
+  def fwd_bwd(q, kv, idx):
+    loss = lambda q, kv: jnp.sum(attn(q, kv, idx)[0].astype(jnp.float32))
+    return jax.grad(loss, argnums=(0, 1))(q, kv)
+  return jax.jit(fwd_bwd)
+
+
+def bench(shape, lengths, ops, impls, batch, dtype, repeats, peak_tflops, peak_gbs, chunk,
+          backend):
+  rows = []
+  for t in lengths:
+    qi, ki, wi, q, kv = _inputs(t, shape, batch, t, dtype)
+    # The selection the model would make (xla path: robust; not timed here).
+    idx = jax.jit(lambda q, k, w: lightning_indexer.topk_indices(
+        q, k, w, shape["topk"], chunk_size=chunk))(qi, ki, wi)
+    n_valid = int(jnp.sum(idx >= 0))
+    for op in ops:
+      args = (qi, ki, wi) if op == "indexer" else (q, kv, idx)
+      cost = roofline.cost(op, b=batch, t=t, s=t, n_valid=n_valid, dtype=dtype, **shape)
+      floor_s = roofline.floor_seconds(cost, peak_tflops, peak_gbs)
+      for impl in impls:
+        secs = _time(_op_fn(op, impl, shape, backend, chunk), *args, repeats=repeats)
+        rows.append(dict(op=op, seq_len=t, impl=impl, seconds=secs, gflop=cost.flops / 1e9,
+                         mbytes=cost.bytes / 1e6, floor_seconds=floor_s,
+                         bound=roofline.bound(cost, peak_tflops, peak_gbs),
+                         fraction=floor_s / secs))
+        print(f"  {op} t={t} {impl}: {secs * 1e3:.2f} ms", flush=True)
+  return rows
+
+
+def table(rows) -> str:
+  head = (f"{'op':<15}{'seq':>8} {'impl':<7}{'time ms':>11}{'GFLOP':>11}{'MB':>11}"
+          f"{'floor ms':>11} {'bound':<8}{'fraction':>9}")
+  lines = [head, "-" * len(head)]
+  for r in rows:
+    lines.append(f"{r['op']:<15}{r['seq_len']:>8} {r['impl']:<7}{r['seconds'] * 1e3:>11.4g}"
+                 f"{r['gflop']:>11.4g}{r['mbytes']:>11.4g}{r['floor_seconds'] * 1e3:>11.4g} "
+                 f"{r['bound']:<8}{r['fraction']:>9.3%}")
+  return "\n".join(lines)
+
+
+def main(argv):
+  del argv
+  unknown = set(_OPS.value) - set(OPS)
+  if unknown:
+    raise ValueError(f"--ops: {sorted(unknown)} unknown; expected a subset of {OPS}")
+  dtype = jnp.dtype(_DTYPE.value)
+  peak_tflops, peak_gbs = _PEAK_TFLOPS.value, _PEAK_GBS.value
+  if not peak_tflops or not peak_gbs:
+    m_tflops, m_gbs = measure_peaks(dtype)
+    peak_tflops, peak_gbs = peak_tflops or m_tflops, peak_gbs or m_gbs
+  device = jax.devices()[0].device_kind
+  print(f"device: {device} ({jax.default_backend()}); peak {peak_tflops:.2f} TFLOP/s, "
+        f"{peak_gbs:.1f} GB/s; shape {_SHAPE.value} {SHAPES[_SHAPE.value]}; dtype {dtype}")
+  backend = None if _BACKEND.value == "auto" else _BACKEND.value
+  if jax.default_backend() == "cpu":
+    backend = backend or "gpu"
+    print(f"CPU: the pallas impl runs the {backend} kernels in the Pallas interpreter; "
+          "its times are not kernel times.")
+  rows = bench(SHAPES[_SHAPE.value], [int(x) for x in _LENGTHS.value], _OPS.value,
+               _IMPLS.value, _BATCH.value, dtype, _REPEATS.value, peak_tflops, peak_gbs,
+               _CHUNK.value, backend)
+  print(table(rows))
+  if _OUT.value:
+    with open(_OUT.value, "w") as f:
+      json.dump(dict(device=device, backend=jax.default_backend(), kernels=backend or "auto",
+                     shape=_SHAPE.value,
+                     dims=SHAPES[_SHAPE.value], dtype=str(dtype), peak_tflops=peak_tflops,
+                     peak_gbs=peak_gbs, rows=rows), f, indent=1)
+    print(f"wrote {_OUT.value}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,23 @@
+r"""Pretraining entry point (every stage).
+
+  python -m experiments.pretrain --config=configs/pretrain.py:model=tiny,runlocal=True --workdir=/tmp/glm5
+"""
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+from glm5_jax import train
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/pretrain.py", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "run directory (checkpoints, metrics)",
+                               required=True)
+
+
+def main(argv):
+  del argv
+  train.run(_CONFIG.value, _WORKDIR.value)
+
+
+if __name__ == "__main__":
+  app.run(main)

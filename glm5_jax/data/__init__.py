@@ -1,0 +1,1 @@
+"""Data: tokenizers, corpus -> ArrayRecord shards, grain pipelines with packing."""

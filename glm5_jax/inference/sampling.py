@@ -1,0 +1,137 @@
+"""Sampling: parameters, the sampling distribution, raw log-probs, speculative acceptance.
+
+Order of the logits processors (as in Hugging Face `generate` and vLLM):
+temperature, then top-k, then top-p (the smallest set of most likely tokens
+whose probability reaches top_p; the most likely token is always kept).
+temperature == 0 is greedy: argmax, ties -> lower token id.
+
+Log-probs returned to the caller are always under the RAW model
+distribution, log_softmax(logits), before temperature / top-k / top-p: that
+is the policy log-prob the RL losses recompute with the trainer's forward.
+
+Speculative sampling (Leviathan et al. 2023, "Fast Inference from Transformers
+via Speculative Decoding", Alg. 1; Chen et al. 2023): with draft distribution
+q and target distribution p (both AFTER the processors above, so the output
+follows exactly the distribution plain sampling draws from), draft token x
+is accepted with probability min(1, p(x) / q(x)); at the first rejection the
+replacement is drawn from norm(max(0, p - q)); when all D drafts are accepted
+a bonus token is drawn from p at the next position. Greedy is the one-hot
+special case: accept iff the draft equals the target argmax.
+
+Notation: b batch, v vocabulary, D draft tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """How to pick the next token.
+
+  Attributes:
+    max_new_tokens: generated tokens per request (>= 1), stop token included.
+    temperature: 0 = greedy; > 0 divides the logits.
+    top_k: keep the k most likely tokens (0 = all).
+    top_p: nucleus mass in (0, 1] (1 = all).
+    stop_token_ids: generation of a request ends after it emits one of these
+      (the stop token is returned with its log-prob).
+    seed: base seed; request i of a `generate` call draws from
+      fold_in(fold_in(PRNGKey(seed), i), token_index), so the output does not
+      depend on which other requests share the batch.
+  """
+  max_new_tokens: int = 16
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  stop_token_ids: Sequence[int] = ()
+  seed: int = 0
+
+  def __post_init__(self):
+    object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+    if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+      raise ValueError(f"SamplingParams.max_new_tokens={self.max_new_tokens!r}: expected an "
+                       "int >= 1")
+    if not self.temperature >= 0:
+      raise ValueError(f"SamplingParams.temperature={self.temperature!r}: expected >= 0 "
+                       "(0 = greedy)")
+    if not isinstance(self.top_k, int) or self.top_k < 0:
+      raise ValueError(f"SamplingParams.top_k={self.top_k!r}: expected an int >= 0 (0 = off)")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"SamplingParams.top_p={self.top_p!r}: expected in (0, 1]")
+    if not isinstance(self.seed, int):
+      raise ValueError(f"SamplingParams.seed={self.seed!r}: expected an int")
+
+
+def raw_logprobs(logits_bv, tokens_b):
+  """log_softmax(logits)[token], float32 [b]: the raw policy log-prob."""
+  lp = jax.nn.log_softmax(logits_bv.astype(jnp.float32), axis=-1)
+  return jnp.take_along_axis(lp, tokens_b[..., None], axis=-1)[..., 0]
+
+
+def sampling_logprobs(logits_bv, temperature_b, top_k_b, top_p_b):
+  """log q [b, v] of the sampling distribution (-inf outside its support).
+
+  Greedy rows (temperature 0) give the one-hot distribution of the argmax.
+  """
+  logits = logits_bv.astype(jnp.float32)
+  v = logits.shape[-1]
+  greedy = temperature_b <= 0
+  scaled = logits / jnp.where(greedy, 1.0, temperature_b)[:, None]
+  sorted_bv, order_bv = jax.lax.top_k(scaled, v)            # descending; ties -> lower id
+  rank = jnp.arange(v)[None, :]
+  k = jnp.where(top_k_b > 0, jnp.minimum(top_k_b, v), v)
+  keep = rank < k[:, None]
+  probs = jax.nn.softmax(jnp.where(keep, sorted_bv, -jnp.inf), axis=-1)
+  keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_p_b[:, None]
+  keep = jnp.where(greedy[:, None], rank == 0, keep)
+  rows = jnp.arange(logits.shape[0])[:, None]
+  keep_bv = jnp.zeros_like(keep).at[rows, order_bv].set(keep)
+  return jax.nn.log_softmax(jnp.where(keep_bv, scaled, -jnp.inf), axis=-1)
+
+
+def sample(keys_b, logq_bv):
+  """One token per row from log q (a greedy row's q is one-hot). int32 [b]."""
+  return jax.vmap(jax.random.categorical)(keys_b, logq_bv).astype(jnp.int32)
+
+
+def row_keys(seed_b, request_b, counter_b):
+  """fold_in(fold_in(PRNGKey(seed), request), counter) per row: keys [b]."""
+  def one(s, r, c):
+    return jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(s), r), c)
+  return jax.vmap(one)(seed_b, request_b, counter_b)
+
+
+def speculative_accept(keys_b, drafts_bd, logq_bdv, logp_bdv):
+  """Speculative-sampling acceptance for D drafts per row.
+
+  Args:
+    keys_b: PRNG keys [b].
+    drafts_bd: int32 [b, D] draft tokens, drafted from q.
+    logq_bdv: [b, D, v] draft sampling log-probs.
+    logp_bdv: [b, D + 1, v] target sampling log-probs at the D + 1 verified
+      positions (the last one gives the bonus token).
+
+  Returns:
+    (n_accepted int32 [b] in [0, D], next_token int32 [b]): the output is
+    drafts[:n] followed by next_token.
+  """
+  b, d = drafts_bd.shape
+  k_u, k_y = jax.vmap(lambda k: jax.random.split(k, 2))(keys_b).swapaxes(0, 1)
+  u_bd = jax.vmap(lambda k: jax.random.uniform(k, (d,)))(k_u)
+  lp = jnp.take_along_axis(logp_bdv[:, :d], drafts_bd[..., None], -1)[..., 0]
+  lq = jnp.take_along_axis(logq_bdv, drafts_bd[..., None], -1)[..., 0]
+  accept_bd = u_bd < jnp.exp(jnp.minimum(lp - lq, 0.0))
+  n = jnp.sum(jnp.cumprod(accept_bd.astype(jnp.int32), axis=-1), axis=-1)
+  p_n = jnp.take_along_axis(logp_bdv, n[:, None, None], 1)[:, 0]            # [b, v]
+  q_n = jnp.take_along_axis(jnp.pad(logq_bdv, ((0, 0), (0, 1), (0, 0)), constant_values=-jnp.inf),
+                            n[:, None, None], 1)[:, 0]                       # -inf at n == D
+  resid = jnp.maximum(jnp.exp(p_n) - jnp.exp(q_n), 0.0)
+  ok = jnp.sum(resid, -1, keepdims=True) > 0
+  log_resid = jnp.where(ok, jnp.log(resid), p_n)      # p == q: residual empty, never reached
+  return n.astype(jnp.int32), sample(k_y, log_resid)

@@ -1,0 +1,94 @@
+"""orbax checkpoints holding everything needed to continue exactly (design.md decision 11).
+
+`WORKDIR/checkpoints/<step>/` holds the TrainState (params, optimizer state,
+step, RNG) and the grain iterator state; `WORKDIR/model_config.json` records
+the model shape so that a workdir of a different model is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import grain
+import jax
+import orbax.checkpoint as ocp
+
+
+def manager(workdir: str, *, keep: int, async_save: bool = True) -> ocp.CheckpointManager:
+  opts = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                      enable_async_checkpointing=async_save)
+  return ocp.CheckpointManager(
+      os.path.join(os.path.abspath(workdir), "checkpoints"), options=opts,
+      item_handlers={"state": ocp.StandardCheckpointHandler(),
+                     "data": grain.checkpoint.CheckpointHandler()})
+
+
+def save(mngr: ocp.CheckpointManager, step: int, state, data_iter, *, force: bool = False) -> bool:
+  return mngr.save(step, args=ocp.args.Composite(
+      state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(data_iter)),
+                   force=force)
+
+
+def restore(mngr: ocp.CheckpointManager, step: int, abstract_state, data_iter):
+  """Restores (state placed like `abstract_state`, and `data_iter` in place)."""
+  out = mngr.restore(step, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(abstract_state),
+      data=grain.checkpoint.CheckpointRestore(data_iter)))
+  return out["state"]
+
+
+def restore_params(workdir_or_ckpt: str, abstract_params):
+  """Params only, from a run's latest checkpoint (or a `.../checkpoints/<step>` dir)."""
+  path = os.path.abspath(workdir_or_ckpt)
+  if os.path.isdir(os.path.join(path, "checkpoints")):
+    path = os.path.join(path, "checkpoints")
+  if os.path.basename(path) == "checkpoints":
+    steps = sorted(int(d) for d in os.listdir(path) if d.isdigit())
+    if not steps:
+      raise FileNotFoundError(f"config.init_from={workdir_or_ckpt!r}: no checkpoints found")
+    path = os.path.join(path, str(max(steps)))
+  state_dir = os.path.join(path, "state")
+  if not os.path.isdir(state_dir):
+    raise FileNotFoundError(f"config.init_from={workdir_or_ckpt!r}: {state_dir} does not exist")
+  with ocp.StandardCheckpointer() as ckptr:
+    meta = ckptr.metadata(state_dir)
+    tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta
+    _check_same_shapes(tree["params"], abstract_params, f"config.init_from={workdir_or_ckpt!r}")
+    # The other run's optimizer state may have another structure (another stage's
+    # mask): restore the item as saved and keep only its params.
+    restored = ckptr.restore(state_dir)
+  return jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), restored["params"],
+                      abstract_params)
+
+
+def _check_same_shapes(saved, abstract, what: str):
+  flat_s = {jax.tree_util.keystr(p): tuple(v.shape)
+            for p, v in jax.tree_util.tree_flatten_with_path(saved)[0]}
+  flat_a = {jax.tree_util.keystr(p): tuple(v.shape)
+            for p, v in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+  if flat_s != flat_a:
+    diff = sorted(set(flat_s.items()) ^ set(flat_a.items()))[:8]
+    raise ValueError(f"{what}: the checkpoint's parameters differ from this model: {diff}")
+
+
+def check_model_config(workdir: str, cfg) -> None:
+  """Writes WORKDIR/model_config.json, or refuses a workdir of a different model shape."""
+  path = os.path.join(workdir, "model_config.json")
+  now = {k: v for k, v in dataclasses.asdict(cfg).items()
+         if k not in ("attention_type", "attention_impl", "attention_chunk_size", "remat", "dtype")}
+  now = json.loads(json.dumps(now))
+  if os.path.exists(path):
+    with open(path) as f:
+      old = json.load(f)
+    diff = {k: (old.get(k), now.get(k)) for k in set(old) | set(now) if old.get(k) != now.get(k)}
+    if diff:
+      raise ValueError(f"workdir {workdir!r} holds a run of a different model "
+                       f"(field: (saved, now)): {diff}; use a new --workdir or "
+                       "--config.init_from to start from its weights")
+    return
+  if jax.process_index() == 0:
+    os.makedirs(workdir, exist_ok=True)
+    with open(path, "w") as f:
+      json.dump(now, f, indent=2)

@@ -1,0 +1,289 @@
+"""The training loop: `run(config, workdir)` for every pretraining stage.
+
+One jitted step with explicit in/out shardings over a `data, fsdp, expert,
+tensor` mesh; parameters and optimizer state are created directly in their
+shardings; each process feeds its slice of the global batch; orbax saves and
+restores everything needed to continue bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import signal
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from glm5_jax import config as config_lib
+from glm5_jax import nn as gnn
+from glm5_jax import sharding as shd
+from glm5_jax.data import corpus
+from glm5_jax.data import pipeline
+from glm5_jax.train import checkpoint as ckpt_lib
+from glm5_jax.train import metrics as metrics_lib
+from glm5_jax.train import step as step_lib
+
+
+class _QuietOrbax:
+  """Drops orbax's INFO chatter (dozens of lines per save) from the absl log."""
+
+  def filter(self, record) -> bool:
+    return record.levelno >= 30 or "orbax" not in record.pathname
+
+
+def _quiet_orbax():
+  handler = logging.get_absl_handler()
+  if not any(isinstance(f, _QuietOrbax) for f in handler.filters):
+    handler.addFilter(_QuietOrbax())
+
+
+def maybe_initialize_distributed(c) -> None:
+  """jax.distributed from config.distributed (or the environment on TPU pods)."""
+  d = c.distributed
+  if d.num_processes <= 1 and not d.coordinator_address:
+    return
+  if jax.distributed.is_initialized():
+    return
+  if jax.default_backend() == "cpu" or d.cpu_collectives:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator_address=d.coordinator_address or None,
+                             num_processes=d.num_processes if d.num_processes > 0 else None,
+                             process_id=d.process_id if d.process_id >= 0 else None)
+
+
+def _validate(c, cfg, n_proc: int, mesh) -> None:
+  if c.seq_len > cfg.max_position_embeddings:
+    raise ValueError(f"config.seq_len={c.seq_len} > model max_position_embeddings="
+                     f"{cfg.max_position_embeddings}")
+  if c.batch_size % n_proc:
+    raise ValueError(f"config.batch_size={c.batch_size} is not divisible by the "
+                     f"{n_proc} processes")
+  if c.batch_size % shd.batch_axis_size(mesh):
+    raise ValueError(f"config.batch_size={c.batch_size} is not divisible by the mesh's batch "
+                     f"axes data*fsdp*expert={shd.batch_axis_size(mesh)}")
+  if cfg.num_attention_heads % mesh.shape["tensor"]:
+    raise ValueError(f"config.mesh.tensor={mesh.shape['tensor']} does not divide "
+                     f"num_attention_heads={cfg.num_attention_heads}")
+  if cfg.n_routed_experts % mesh.shape["expert"]:
+    raise ValueError(f"config.mesh.expert={mesh.shape['expert']} does not divide "
+                     f"n_routed_experts={cfg.n_routed_experts}")
+  for f in ("total_steps", "log_every", "checkpoint_every", "eval_every"):
+    if c[f] < 1:
+      raise ValueError(f"config.{f}={c[f]}: expected >= 1")
+
+
+def ensure_data(c) -> dict:
+  """Prepares the default corpus on first use (process 0), then reads its metadata."""
+  d = c.data
+  if not os.path.exists(os.path.join(d.dir, corpus.META)):
+    if not d.prepare_if_missing:
+      corpus.load_meta(d.dir)                        # raises the "run prepare_data" error
+    if jax.process_index() == 0:
+      logging.info("preparing the corpus %s -> %s", d.source_dir or "<stdlib>", d.dir)
+      corpus.prepare(d.source_dir or corpus.default_source_dir(), d.dir, tokenizer=d.tokenizer,
+                     pattern=d.pattern, val_fraction=d.val_fraction, num_shards=d.num_shards,
+                     max_files=d.max_files)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      multihost_utils.sync_global_devices("glm5_prepare_data")
+  meta = corpus.load_meta(d.dir)
+  return meta
+
+
+def _model_config(c):
+  cfg = config_lib.from_config_dict(c.model)
+  return cfg
+
+
+def _flops_per_token(cfg) -> float:
+  """6 * active non-embedding parameters (the usual training estimate, attention excluded)."""
+  from glm5_jax import summary  # pylint: disable=g-import-not-at-top
+  counts = summary.param_counts(cfg)
+  active = summary.totals(cfg, counts)["active_params"] - counts["embed"]
+  if cfg.has_mtp:
+    active += counts["mtp"] * cfg.mtp_num_steps / max(cfg.num_nextn_predict_layers, 1)
+  return 6.0 * active
+
+
+def _to_global(batch, sharding):
+  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
+          for k, v in batch.items()}
+
+
+def _init_state(c, cfg, tx, mesh, param_sh, abstract):
+  """TrainState created in its shardings (params on host per shard, or under jit)."""
+  how = c.param_init
+  if how == "auto":
+    how = "host" if jax.default_backend() == "cpu" else "jit"
+  if how == "host":
+    host = gnn.init_params(cfg, c.seed)
+    params = jax.tree.map(lambda x, sh: jax.make_array_from_callback(
+        x.shape, sh, lambda idx, x=x: np.asarray(x)[idx]), host, param_sh)
+  elif how == "jit":
+    params = jax.jit(lambda k: gnn.init_params(cfg, k, on_host=False), out_shardings=param_sh)(
+        jax.random.PRNGKey(c.seed))
+  else:
+    raise ValueError(f"config.param_init={c.param_init!r}: expected 'auto', 'host' or 'jit'")
+  if c.init_from:
+    params = ckpt_lib.restore_params(c.init_from, abstract_with(abstract, param_sh))
+  opt_state = jax.jit(tx.init)(params)
+  return step_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
+                             rng=jax.random.key_data(jax.random.PRNGKey(c.seed)))
+
+
+def abstract_with(shapes, shardings):
+  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                      shapes, shardings)
+
+
+class _Sigterm:
+  """Sets a flag on SIGTERM so the loop can checkpoint and stop cleanly."""
+
+  def __init__(self):
+    self.hit = False
+    try:
+      self._old = signal.signal(signal.SIGTERM, self._handler)
+    except ValueError:                                 # not in the main thread
+      self._old = None
+
+  def _handler(self, *_):
+    logging.warning("SIGTERM: checkpointing and stopping")
+    self.hit = True
+
+  def restore(self):
+    if self._old is not None:
+      signal.signal(signal.SIGTERM, self._old)
+
+
+def evaluate(c, cfg, params, eval_fn, meta, batch_sh) -> dict:
+  """Held-out loss (nats/token) and bits per byte over `eval_batches` fixed batches."""
+  n_proc, p_idx = jax.process_count(), jax.process_index()
+  ds = pipeline.packed_dataset(c.data.dir, "validation", seq_len=c.seq_len,
+                               batch_per_process=c.batch_size // n_proc, seed=0,
+                               process_index=p_idx, process_count=n_proc, shuffle=False,
+                               repeat=True)
+  nll, tok, kl = 0.0, 0.0, 0.0
+  it = iter(ds)
+  for _ in range(c.eval_batches):
+    out = jax.device_get(eval_fn(params, _to_global(next(it), batch_sh)))
+    nll, tok, kl = nll + float(out["nll_sum"]), tok + float(out["tokens"]), kl + float(out["indexer_kl"])
+  loss = nll / max(tok, 1.0)
+  v = meta["splits"]["validation"]
+  bytes_per_token = v["bytes"] / max(v["tokens"], 1)
+  return {"loss": loss, "bits_per_byte": loss / math.log(2) / bytes_per_token,
+          "indexer_kl": kl / c.eval_batches}
+
+
+def run(c, workdir: str) -> dict:
+  """Trains `c.total_steps` steps of stage `c.stage` in `workdir` (resuming if possible).
+
+  Returns the final metrics (last train step and held-out evaluation).
+  """
+  _quiet_orbax()
+  maybe_initialize_distributed(c)
+  cfg = _model_config(c)
+  if c.stage not in step_lib.STAGES:
+    raise ValueError(f"config.stage={c.stage!r}: expected one of {step_lib.STAGES}")
+  mesh = shd.make_mesh(dict(c.mesh))
+  n_proc = jax.process_count()
+  _validate(c, cfg, n_proc, mesh)
+  meta = ensure_data(c)
+  if meta["vocab_size"] > cfg.vocab_size:
+    raise ValueError(f"data tokenizer vocab {meta['vocab_size']} > model vocab_size "
+                     f"{cfg.vocab_size}")
+  ckpt_lib.check_model_config(workdir, cfg)
+
+  rules = shd.rules_from_config(c.mesh_rules)
+  shapes, specs = gnn.abstract_params(cfg)
+  param_sh = shd.param_shardings(specs, mesh, rules)
+  shd.check_divisible(shapes, param_sh, mesh)
+  batch_sh = shd.batch_sharding(mesh)
+  tx = step_lib.make_optimizer(c)
+
+  mngr = ckpt_lib.manager(workdir, keep=c.keep_checkpoints, async_save=c.async_checkpoints)
+  ds = pipeline.packed_dataset(c.data.dir, "train", seq_len=c.seq_len,
+                               batch_per_process=c.batch_size // n_proc, seed=c.seed,
+                               process_index=jax.process_index(), process_count=n_proc)
+  data_iter = iter(ds)
+  latest = mngr.latest_step()
+  with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else mesh:
+    state = _init_state(c, cfg, tx, mesh, param_sh, shapes) if latest is None else None
+    if latest is not None:
+      abstract_params = abstract_with(shapes, param_sh)
+      init_opt = jax.jit(tx.init).lower(abstract_params).compile()
+      abstract_opt = jax.tree.map(
+          lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+          jax.eval_shape(tx.init, abstract_params), init_opt.output_shardings)
+      abstract_state = step_lib.TrainState(
+          step=jax.ShapeDtypeStruct((), jnp.int32, sharding=shd.replicated(mesh)),
+          params=abstract_params, opt_state=abstract_opt,
+          rng=jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=shd.replicated(mesh)))
+      state = ckpt_lib.restore(mngr, latest, abstract_state, data_iter)
+      logging.info("resumed from %s at step %d", mngr.directory, latest)
+
+  state_sh = jax.tree.map(lambda x: x.sharding, state)
+  train_fn = jax.jit(
+      functools.partial(step_lib.train_step, cfg=cfg, stage=c.stage, tx=tx,
+                        loss_chunk=c.loss_chunk, bias_rate=c.bias_update_rate),
+      in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None), donate_argnums=(0,))
+  eval_fn = jax.jit(functools.partial(step_lib.eval_step, cfg=cfg, stage=c.stage,
+                                      loss_chunk=c.loss_chunk),
+                    in_shardings=(state_sh.params, batch_sh))
+  schedule = step_lib.make_schedule(c)
+  writer = metrics_lib.MetricWriter(workdir, tensorboard=c.tensorboard)
+  start = int(jax.device_get(state.step))
+  progress = metrics_lib.Progress(start, c.total_steps, c.batch_size * c.seq_len)
+  flops_tok = _flops_per_token(cfg)
+  sigterm = _Sigterm()
+  pending, last = [], {}
+
+  def flush(step):
+    nonlocal pending, last
+    for s, m in jax.device_get(pending):
+      m = {k: float(v) for k, v in m.items()}
+      if not all(np.isfinite(v) for v in m.values()):
+        mngr.wait_until_finished()
+        raise FloatingPointError(
+            f"non-finite loss or gradient at step {s} ({m}); stopping. The last good "
+            f"checkpoint ({mngr.latest_step()}) in {workdir} is intact.")
+      m["learning_rate"] = float(schedule(s - 1))
+      writer.write(s, m)
+      last = m
+    pending = []
+    if last:
+      p = progress.update(step)
+      last.update(p, est_mfu=p["tokens_per_s"] * flops_tok / (c.peak_tflops * 1e12))
+      metrics_lib.log_line(c.stage, step, c.total_steps, last, p)
+    writer.flush()
+
+  try:
+    step = start
+    while step < c.total_steps:
+      batch = _to_global(next(data_iter), batch_sh)
+      state, m = train_fn(state, batch)
+      step += 1
+      pending.append((step, m))
+      stop = sigterm.hit
+      if step % c.log_every == 0 or step == c.total_steps or stop or step % c.checkpoint_every == 0:
+        flush(step)                                     # also the non-finite check
+      if step % c.eval_every == 0 or step == c.total_steps:
+        ev = evaluate(c, cfg, state.params, eval_fn, meta, batch_sh)
+        writer.write(step, ev, prefix="eval_")
+        logging.info("[%s] step %d eval loss %.4f  bits/byte %.4f  indexer_kl %.4g", c.stage,
+                     step, ev["loss"], ev["bits_per_byte"], ev["indexer_kl"])
+        last.update({f"eval_{k}": v for k, v in ev.items()})
+      if step % c.checkpoint_every == 0 or step == c.total_steps or stop:
+        ckpt_lib.save(mngr, step, state, data_iter, force=True)
+      if stop:
+        break
+    mngr.wait_until_finished()
+  finally:
+    sigterm.restore()
+    writer.close()
+    mngr.close()
+  return last

@@ -1,0 +1,73 @@
+"""Metrics: one JSON object per step in WORKDIR/metrics.jsonl, TensorBoard scalars, log lines."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from absl import logging
+import jax
+import numpy as np
+
+
+class MetricWriter:
+  """Writes on process 0 only; every value is a Python float."""
+
+  def __init__(self, workdir: str, tensorboard: bool = True):
+    self._on = jax.process_index() == 0
+    self._jsonl = None
+    self._tb = None
+    if not self._on:
+      return
+    os.makedirs(workdir, exist_ok=True)
+    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+    if tensorboard:
+      from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+  def write(self, step: int, scalars: dict, prefix: str = ""):
+    if not self._on:
+      return
+    row = {"step": int(step), **{prefix + k: float(v) for k, v in scalars.items()}}
+    self._jsonl.write(json.dumps(row) + "\n")
+    if self._tb is not None:
+      for k, v in row.items():
+        if k != "step":
+          self._tb.add_scalar(k, v, step)
+
+  def flush(self):
+    if self._on:
+      self._jsonl.flush()
+      if self._tb is not None:
+        self._tb.flush()
+
+  def close(self):
+    if self._on:
+      self._jsonl.close()
+      if self._tb is not None:
+        self._tb.close()
+
+
+class Progress:
+  """steps/s, tokens/s and ETA over the last logging window."""
+
+  def __init__(self, start_step: int, total_steps: int, tokens_per_step: int):
+    self.total, self.tokens_per_step = total_steps, tokens_per_step
+    self._t, self._step = time.perf_counter(), start_step
+
+  def update(self, step: int) -> dict:
+    now = time.perf_counter()
+    dt, ds = now - self._t, max(step - self._step, 1)
+    self._t, self._step = now, step
+    sps = ds / max(dt, 1e-9)
+    return {"steps_per_s": sps, "tokens_per_s": sps * self.tokens_per_step,
+            "eta_s": (self.total - step) / max(sps, 1e-9)}
+
+
+def log_line(stage: str, step: int, total: int, m: dict, p: dict):
+  logging.info("[%s] step %d/%d  loss %.4f  ce %.4f  kl %.3g  gnorm %.3f  lr %.2e  "
+               "%.2f steps/s  %.0f tok/s  mfu %.2g  ETA %.0fs", stage, step, total,
+               m.get("loss", np.nan), m.get("ce", np.nan), m.get("indexer_kl", np.nan),
+               m.get("grad_norm", np.nan), m.get("learning_rate", np.nan), p["steps_per_s"],
+               p["tokens_per_s"], m.get("est_mfu", np.nan), p["eta_s"])

@@ -1,0 +1,98 @@
+"""The Pallas kernels lower for TPU (Mosaic) and CUDA (Triton) at GLM-5 shapes, from a CPU host.
+
+`jax.export(..., platforms=[...])` runs JAX's Pallas lowering for the target
+without hardware: the TPU lowering checks block shapes ((8, 128)-aligned or
+whole) and that every primitive has a Mosaic rule; the Triton lowering checks
+power-of-two tensor sizes and primitive support. What it cannot check is the
+device compiler behind the custom call (Mosaic's layout passes in libtpu,
+Triton's PTX backend); that needs the hardware.
+
+Shapes are GLM-5's (spec §1): h=64, d_qk=576, v_dim=512, h_i=32, d_i=128,
+topk=2048, at a sequence length of 4096. Nothing runs, so this is fast.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels import lightning_indexer
+from pallas_kernels import sparse_attention
+from pallas_kernels.lightning_indexer import kernel as indexer_kernel
+
+SEQ = 4096
+H, D_QK, V_DIM = 64, 576, 512
+H_I, D_I, TOPK = 32, 128, 2048
+# The Triton custom call has no export compatibility guarantee; we only lower it.
+TRITON_CALL = "__gpu$xla.gpu.triton"
+CUSTOM_CALL = {"tpu": "tpu_custom_call", "cuda": TRITON_CALL}
+NO_TRITON_CHECK = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
+
+
+def _export(fn, platforms, *args):
+  return jax.export.export(jax.jit(fn), platforms=platforms,
+                           disabled_checks=NO_TRITON_CHECK)(*args).mlir_module()
+
+
+def _kernel_calls(module: str, platform: str):
+  """Names of the Pallas kernels behind `platform`'s custom calls in `module`."""
+  names = []
+  for line in module.splitlines():
+    if f"custom_call @{CUSTOM_CALL[platform]}" in line:
+      names += re.findall(r'name = "([a-z_]+)"', line)
+  return names
+
+
+def _mla_args(t):
+  return (jax.ShapeDtypeStruct((1, t, H, D_QK), jnp.bfloat16),
+          jax.ShapeDtypeStruct((1, SEQ, D_QK), jnp.bfloat16),
+          jax.ShapeDtypeStruct((1, t, TOPK), jnp.int32))
+
+
+def _mla_forward_and_backward(q, kv, idx):
+  def f(q, kv):
+    return sparse_attention.sparse_mla(q, kv, idx, v_dim=V_DIM, scale=D_QK ** -0.5,
+                                       impl="pallas")
+  (out, lse), vjp = jax.vjp(f, q, kv)
+  return out, lse, vjp((out, lse))
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize("t", [SEQ, 1], ids=["prefill", "decode"])
+def test_sparse_mla_forward_and_backward_lower(platform, t):
+  module = _export(_mla_forward_and_backward, [platform], *_mla_args(t))
+  assert sorted(_kernel_calls(module, platform)) == ["sparse_mla_bwd", "sparse_mla_fwd"]
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize("t", [SEQ, 1], ids=["prefill", "decode"])
+def test_lightning_indexer_lowers(platform, t):
+  args = (jax.ShapeDtypeStruct((1, t, H_I, D_I), jnp.bfloat16),
+          jax.ShapeDtypeStruct((1, SEQ, D_I), jnp.bfloat16),
+          jax.ShapeDtypeStruct((1, t, H_I), jnp.float32))
+  f = lambda q, k, w: lightning_indexer.topk_indices(q, k, w, TOPK, impl="pallas")
+  module = _export(f, [platform], *args)
+  assert _kernel_calls(module, platform) == ["lightning_indexer_scores"]
+
+
+def test_platform_picks_the_kernel():
+  # backend=None dispatches with lax.platform_dependent at lowering time: a TPU export
+  # holds only Mosaic kernels and a CUDA export only Triton ones. (One export per
+  # platform: a multi-platform export lowers every branch for every platform, and the
+  # TPU branch's compiler params are refused by the GPU lowering in jax 0.10.2.)
+  tpu_module = _export(_mla_forward_and_backward, ["tpu"], *_mla_args(128))
+  cuda_module = _export(_mla_forward_and_backward, ["cuda"], *_mla_args(128))
+  assert TRITON_CALL not in tpu_module and "tpu_custom_call" in tpu_module
+  assert "tpu_custom_call" not in cuda_module and TRITON_CALL in cuda_module
+
+
+def test_tpu_lowering_rejects_an_unaligned_tile():
+  # The interpret-mode tests use 8-wide key tiles; on TPU a score tile's lane dim must be
+  # a multiple of 128 (or the whole axis). The export check is what catches that on CPU.
+  args = (jax.ShapeDtypeStruct((1, 256, H_I, D_I), jnp.bfloat16),
+          jax.ShapeDtypeStruct((1, 256, D_I), jnp.bfloat16),
+          jax.ShapeDtypeStruct((1, 256, H_I), jnp.float32))
+  f = lambda q, k, w: indexer_kernel.topk_indices(q, k, w, 64, backend="tpu", block_k=8)
+  with pytest.raises(ValueError, match="divisible by 8 and 128"):
+    _export(f, ["tpu"], *args)
