@@ -21,7 +21,7 @@ def get_config(arg=None):
   c.stages = ml_collections.ConfigDict({
       "pretrain_steps": 300,
       "warmup_steps": 60,                  # DSA dense warm-up: only the indexer trains
-      "warmup_learning_rate": 3e-3,
+      "warmup_learning_rate": 1e-2,
       "sparse_steps": 100,                 # sparse adaptation, and the dense baseline
       "adapt_learning_rate": 2e-3,
   })

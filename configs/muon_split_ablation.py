@@ -28,12 +28,14 @@ def get_config(arg=None):
       heldout_every=20,             # every 20th file (sorted by path) is held out
       max_files=2000))
   # One entry per optimizer: `kind` is "adamw" or "muon_split" (glm5_jax.optim options).
+  # Peak learning rates: the best of {1e-3, 3e-3, 1e-2, 3e-2, 1e-1} for each optimizer in a
+  # one-seed 120-step sweep (docs/muon_split_ablation.md); both Muon variants peak at 3e-2.
   c.variants = ml_collections.ConfigDict({
-      "adamw": dict(kind="adamw", learning_rate=3e-3, weight_decay=0.1),
+      "adamw": dict(kind="adamw", learning_rate=1e-2, weight_decay=0.1),
       "muon": dict(kind="muon_split", split_heads=False, rms_shape="full",
-                   learning_rate=3e-3, weight_decay=0.1),
+                   learning_rate=3e-2, weight_decay=0.1),
       "muon_split": dict(kind="muon_split", split_heads=True, rms_shape="per_head",
-                         learning_rate=3e-3, weight_decay=0.1),
+                         learning_rate=3e-2, weight_decay=0.1),
   })
   c.out_prefix = "docs/muon_split_ablation"   # writes .json, .png and the table into .md
   if a.quick:

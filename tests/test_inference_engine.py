@@ -192,3 +192,13 @@ def test_expanded_form_equals_absorbed_form(cfg, rng):
   absorbed = jnp.einsum("bthc,chv->bthv", u, w_uv)
   expanded = forward.expanded_sparse_attention(cfg, q_nope, q_rope, kv, w_uk, w_uv, idx)
   np.testing.assert_allclose(expanded, absorbed, atol=1e-4, rtol=1e-4)
+
+
+def test_new_prompt_lengths_reuse_the_bucketed_compilations(engine, rng):
+  prefill, decode, _ = engine._fns("absorbed")
+  sp = SamplingParams(max_new_tokens=3, temperature=0.0)
+  engine.generate([rng.integers(0, 256, 4).tolist()], sp)
+  sizes = prefill._cache_size(), decode._cache_size()
+  for n in (3, 6, 11, 16):                                  # all in the 16-token bucket
+    engine.generate([rng.integers(0, 256, n).tolist(), [1, 2]], sp)
+  assert (prefill._cache_size(), decode._cache_size()) == sizes

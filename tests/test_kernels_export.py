@@ -76,6 +76,21 @@ def test_lightning_indexer_lowers(platform, t):
   assert _kernel_calls(module, platform) == ["lightning_indexer_scores"]
 
 
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_ragged_shapes_lower(platform):
+  # Nothing a power of two or a multiple of a tile: s=4001 keys, t=3 queries, topk=2000.
+  q = jax.ShapeDtypeStruct((2, 3, H, D_QK), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 4001, D_QK), jnp.bfloat16)
+  idx = jax.ShapeDtypeStruct((2, 3, 2000), jnp.int32)
+  module = _export(_mla_forward_and_backward, [platform], q, kv, idx)
+  assert sorted(_kernel_calls(module, platform)) == ["sparse_mla_bwd", "sparse_mla_fwd"]
+  args = (jax.ShapeDtypeStruct((1, 1000, H_I, D_I), jnp.bfloat16),
+          jax.ShapeDtypeStruct((1, 4001, D_I), jnp.bfloat16),
+          jax.ShapeDtypeStruct((1, 1000, H_I), jnp.float32))
+  f = lambda q, k, w: lightning_indexer.topk_indices(q, k, w, TOPK, impl="pallas")
+  assert _kernel_calls(_export(f, [platform], *args), platform) == ["lightning_indexer_scores"]
+
+
 def test_platform_picks_the_kernel():
   # backend=None dispatches with lax.platform_dependent at lowering time: a TPU export
   # holds only Mosaic kernels and a CUDA export only Triton ones. (One export per

@@ -435,10 +435,11 @@ def _sharded_check():
         "max_abs_diff": diff, "mu_spec": str(mu.sharding.spec),
         "n_moments": sum(len(jax.tree.leaves(t)) for _, t in moments),
         "moments_not_sharded_like_params": mismatched,
-        # W^UQ alone, heads sharded over 'tensor' (and, second, q_lora over 'fsdp' too).
-        "collectives_wq_b": collectives(tx, ("attn", "wq_b"), (r, h, k), P(None, "tensor")),
-        "collectives_wq_b_fsdp": collectives(tx, ("attn", "wq_b"), (r, h, k),
-                                             P("fsdp", "tensor"))}
+        # W^UQ alone, heads sharded over 'tensor'.
+        "collectives_wq_b": collectives(tx, ("attn", "wq_b"), (r, h, k), P(None, "tensor"))}
+    if split:  # q_lora over 'fsdp' too: NS then reduces over a sharded fan-in.
+      out["split"]["collectives_wq_b_fsdp"] = collectives(tx, ("attn", "wq_b"), (r, h, k),
+                                                          P("fsdp", "tensor"))
   tx = optim.muon_split()
   out["collectives_experts"] = collectives(tx, ("experts", "w_up"), (e, d, 8), P("expert"))
   out["collectives_experts_fsdp"] = collectives(tx, ("experts", "w_up"), (e, d, 8),

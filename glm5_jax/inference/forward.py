@@ -184,10 +184,38 @@ def decoder_layer(cfg, p, h_btd, cos, sin, cache, chunk: Chunk, prev_idx, moe: b
   h_btd = h_btd + attn.astype(h_btd.dtype)
   x = norms.rms_norm(h_btd, p["post_attention_norm"]["scale"], eps).astype(h_btd.dtype)
   if moe:
-    y, _ = moe_lib.MoE(cfg).apply({"params": p["moe"]}, x)
+    y = moe_ffn(cfg, p["moe"], x)
   else:
     y = moe_lib.MLP(cfg, cfg.intermediate_size).apply({"params": p["mlp"]}, x)
   return h_btd + y.astype(h_btd.dtype), idx, cache
+
+
+def moe_ffn(cfg, p, x_btd):
+  """The MoE FFN (glm5_jax.nn.moe): `route`, routed experts, shared expert.
+
+  Chunks with fewer (token, expert) pairs than experts (decode) gather each
+  token's K expert matrices and run them as batched matmuls, which reads less
+  weight memory than the dropless grouped path and avoids `ragged_dot`'s slow
+  CPU lowering; larger chunks (prefill) run the trainer's MoE module itself.
+  Same routing, same math; only the summation order of the K experts differs.
+  """
+  b, t, d = x_btd.shape
+  if b * t * cfg.num_experts_per_tok >= cfg.n_routed_experts:
+    return moe_lib.MoE(cfg).apply({"params": p}, x_btd)[0]
+  dt = jnp.dtype(cfg.dtype)
+  x = x_btd.reshape(b * t, d)
+  ids_nk, weights_nk = moe_lib.route(cfg, x, p["router"]["kernel"],
+                                     p["router"]["e_score_correction_bias"])
+  w = {k: v[ids_nk].astype(dt) for k, v in p["experts"].items()}       # [n, K, ...]
+  xd = x.astype(dt)
+  h_nki = (jax.nn.silu(jnp.einsum("nd,nkdi->nki", xd, w["w_gate"]))
+           * jnp.einsum("nd,nkdi->nki", xd, w["w_up"]))
+  y_nkd = jnp.einsum("nki,nkid->nkd", h_nki, w["w_down"])
+  y = jnp.einsum("nkd,nk->nd", y_nkd, weights_nk.astype(y_nkd.dtype)).reshape(b, t, d)
+  if cfg.n_shared_experts:
+    y = y + moe_lib.MLP(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts).apply(
+        {"params": p["shared"]}, x_btd)
+  return y
 
 
 def embed(cfg, params, tokens_bt):

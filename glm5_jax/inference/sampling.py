@@ -80,19 +80,29 @@ def sampling_logprobs(logits_bv, temperature_b, top_k_b, top_p_b):
   Greedy rows (temperature 0) give the one-hot distribution of the argmax.
   """
   logits = logits_bv.astype(jnp.float32)
-  v = logits.shape[-1]
   greedy = temperature_b <= 0
   scaled = logits / jnp.where(greedy, 1.0, temperature_b)[:, None]
-  sorted_bv, order_bv = jax.lax.top_k(scaled, v)            # descending; ties -> lower id
+  argmax_bv = jnp.arange(logits.shape[-1])[None, :] == jnp.argmax(scaled, -1)[:, None]
+  filtered = (top_k_b > 0) | (top_p_b < 1)
+  # Sorting the vocabulary is the costly part on CPU: only when some row filters.
+  keep_bv = jax.lax.cond(jnp.any(filtered & ~greedy), _top_k_top_p_mask,
+                         lambda *_: jnp.ones_like(argmax_bv), scaled, top_k_b, top_p_b)
+  keep_bv = jnp.where(greedy[:, None], argmax_bv, keep_bv)
+  return jax.nn.log_softmax(jnp.where(keep_bv, scaled, -jnp.inf), axis=-1)
+
+
+def _top_k_top_p_mask(scaled_bv, top_k_b, top_p_b):
+  """bool [b, v]: the top-k tokens, then the smallest set reaching mass top_p."""
+  v = scaled_bv.shape[-1]
+  order_bv = jnp.argsort(-scaled_bv, axis=-1, stable=True)     # descending; ties -> lower id
+  sorted_bv = jnp.take_along_axis(scaled_bv, order_bv, axis=-1)
   rank = jnp.arange(v)[None, :]
   k = jnp.where(top_k_b > 0, jnp.minimum(top_k_b, v), v)
   keep = rank < k[:, None]
   probs = jax.nn.softmax(jnp.where(keep, sorted_bv, -jnp.inf), axis=-1)
   keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_p_b[:, None]
-  keep = jnp.where(greedy[:, None], rank == 0, keep)
-  rows = jnp.arange(logits.shape[0])[:, None]
-  keep_bv = jnp.zeros_like(keep).at[rows, order_bv].set(keep)
-  return jax.nn.log_softmax(jnp.where(keep_bv, scaled, -jnp.inf), axis=-1)
+  rows = jnp.arange(scaled_bv.shape[0])[:, None]
+  return jnp.zeros_like(keep).at[rows, order_bv].set(keep)
 
 
 def sample(keys_b, logq_bv):

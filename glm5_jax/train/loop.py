@@ -43,11 +43,13 @@ def _quiet_orbax():
 
 
 def maybe_initialize_distributed(c) -> None:
-  """jax.distributed from config.distributed (or the environment on TPU pods)."""
+  """jax.distributed from config.distributed, or from the environment on a TPU pod slice."""
   d = c.distributed
-  if d.num_processes <= 1 and not d.coordinator_address:
-    return
   if jax.distributed.is_initialized():
+    return
+  if d.num_processes <= 1 and not d.coordinator_address:
+    if "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):   # multi-host TPU VM
+      jax.distributed.initialize()
     return
   if jax.default_backend() == "cpu" or d.cpu_collectives:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")

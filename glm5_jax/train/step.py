@@ -123,21 +123,36 @@ def loss_fn(params, batch, *, cfg, stage: str, loss_chunk: int):
            "tokens": n_tok,
            "expert_imbalance": jnp.max(load) / jnp.maximum(jnp.mean(load), 1e-9)
            if load.size else jnp.zeros(())}
-  return total, (parts, load)
+  mtp_load = None if out.mtp_expert_load is None else jnp.mean(out.mtp_expert_load, axis=0)
+  return total, (parts, (load, mtp_load))
 
 
-def update_routing_biases(params, expert_load, rate: float):
-  """Aux-loss-free balancing: moves every MoE layer's bias toward uniform load."""
-  if rate == 0.0 or expert_load.size == 0:
+def _with_new_bias(layer_params, load, rate):
+  router = dict(layer_params["moe"]["router"])
+  router["e_score_correction_bias"] = losses.update_routing_bias(
+      router["e_score_correction_bias"], load, rate)
+  return {**layer_params, "moe": {**layer_params["moe"], "router": router}}
+
+
+def update_routing_biases(params, loads, rate: float):
+  """Aux-loss-free balancing: moves every MoE layer's bias toward uniform load.
+
+  Args:
+    params: the parameter tree.
+    loads: (expert_load [L_moe, E] of the main MoE layers, MTP layer load [E] or None).
+    rate: bias update speed (0 disables it).
+  """
+  expert_load, mtp_load = loads
+  if rate == 0.0:
     return params
-  params = flax.core.unfreeze(params) if isinstance(params, flax.core.FrozenDict) else dict(params)
+  params = dict(params)
   moe_layers = sorted((k for k in params if k.startswith("layers_") and "moe" in params[k]),
                       key=lambda k: int(k.split("_")[1]))
   for layer, load in zip(moe_layers, expert_load):
-    router = dict(params[layer]["moe"]["router"])
-    router["e_score_correction_bias"] = losses.update_routing_bias(
-        router["e_score_correction_bias"], load, rate)
-    params[layer] = {**params[layer], "moe": {**params[layer]["moe"], "router": router}}
+    params[layer] = _with_new_bias(params[layer], load, rate)
+  if mtp_load is not None and "mtp" in params and "moe" in params["mtp"]["layer"]:
+    params["mtp"] = {**params["mtp"], "layer": _with_new_bias(params["mtp"]["layer"], mtp_load,
+                                                              rate)}
   return params
 
 

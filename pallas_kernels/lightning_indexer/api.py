@@ -33,7 +33,7 @@ def topk_indices(q, k, w, topk: int, *, impl: str = "xla", interpret: bool = Fal
     topk: slots per query.
     impl: "xla" (chunked jnp) or "pallas" (TPU / GPU kernel).
     interpret: run the Pallas kernel in interpret mode (CPU tests).
-    chunk_size: query chunk of the "xla" path.
+    chunk_size: queries scored at once (both paths); peak memory O(b * chunk * s).
     start: optional int32 [b, t], the first key each query may see (packed
       documents: its document's start). Keys before it are never selected.
 
@@ -49,7 +49,8 @@ def topk_indices(q, k, w, topk: int, *, impl: str = "xla", interpret: bool = Fal
     return reference.topk_indices_reference(q, k, w, topk, chunk_size=chunk_size, start=start)
   if impl == "pallas":
     from pallas_kernels.lightning_indexer import kernel  # pylint: disable=g-import-not-at-top
-    return kernel.topk_indices(q, k, w, topk, start=start, interpret=interpret)
+    return kernel.topk_indices(q, k, w, topk, start=start, interpret=interpret,
+                               chunk_size=chunk_size)
   raise ValueError(f"topk_indices: impl={impl!r}, expected one of {IMPLS}")
 
 

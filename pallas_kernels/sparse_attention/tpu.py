@@ -15,6 +15,15 @@ fetched while block kb is computed (two VMEM slots, one DMA semaphore each).
 Empty slots (-1) fetch row 0 and are masked; blocks past the last valid slot
 of a query (`n_live`, computed by the caller) are neither fetched nor computed.
 
+Row layout (`prepare_operands`): a one-row DMA lands at any sublane offset of a
+32-bit VMEM buffer, but not inside a packed bfloat16 tile (16 rows per tile),
+and DMA rows want a lane width that is a multiple of 128. The cache is
+therefore gathered as float32 rows of width d padded to a multiple of 128
+(GLM-5: 576 -> 640; zero columns change no dot product) and cast back to the
+query dtype in VMEM before the matmuls, which is exact. This costs 2.2x the
+bytes of a bfloat16 row; packing bfloat16 pairs into uint32 lanes would cut it
+to 1.33x and is the next step once a TPU can measure it.
+
 Forward, grid (b, t, n_kb), one query per (b, t) with its h heads as the
 matmul M dimension (one gathered 576-wide row serves all heads):
   s = q_hd . rows_kd^T * scale           [h, bk]
@@ -26,7 +35,7 @@ Backward, grid (b, t, n_kb), flash-attention backward with the saved lse
   p  = exp(s - lse)            dp = do . rows[:, :v]^T
   ds = p * (dp - delta)        delta = sum(do * out) - dlse
   dq   += ds . rows * scale                        (VMEM accumulator)
-  dkv[idx] += ds^T . q * scale + [p^T . do | 0]     (accumulate by DMA)
+  dkv[idx] += ds^T . q * scale + p^T . [do | 0]     (accumulate by DMA)
 dkv is a float32 [b, s, d] buffer in HBM, aliased input -> output. Per block
 the kernel DMAs the selected dkv rows into VMEM, adds, and DMAs them back,
 waiting for the writes before the next read; the t and kb grid axes are
@@ -77,6 +86,11 @@ def _row_copy(src_hbm, bi, row, dst_vmem, r, sem):
   return pltpu.make_async_copy(src_hbm.at[bi, pl.ds(row, 1)], dst_vmem.at[pl.ds(r, 1)], sem)
 
 
+def prepare_operands(q, kv):
+  """q [b,t,h,dp] (q.dtype) and kv [b,s,dp] float32, dp = d rounded up to 128 (see above)."""
+  return _backend.pad_to(q, 3, 128), _backend.pad_to(kv.astype(jnp.float32), 2, 128)
+
+
 def _gather_rows(idx_smem, kb, kv_hbm, bi, buf, slot, sem, *, start: bool):
   """Starts (start=True) or waits for the bk row DMAs of block kb into buf[slot]."""
   block_k = buf.shape[1]
@@ -120,7 +134,7 @@ def _fwd_kernel(nlive_smem, idx_smem, idx_vmem, q_ref, kv_hbm, out_ref, lse_ref,
   @pl.when(kb < n_live)
   def _compute():
     _gather_rows(idx_smem, kb, kv_hbm, bi, rows_buf, slot, sem, start=False)
-    rows = rows_buf[slot]                                      # [bk, d]
+    rows = rows_buf[slot].astype(q_ref.dtype)                  # [bk, d]
     valid = idx_vmem[pl.ds(kb, 1), :] >= 0                     # [1, bk]
     s = _nt_dot(q_ref[...], rows, precision) * scale           # [h, bk]
     s = jnp.where(valid, s, -jnp.inf)
@@ -147,8 +161,8 @@ def sparse_mla_fwd(q, kv, idx_bgnk, nlive_bt11, *, v_dim, scale, interpret=False
   """Forward kernel.
 
   Args:
-    q: [b, t, h, d] queries.
-    kv: [b, s, d] cache rows (left in HBM).
+    q: [b, t, h, d] queries; d a multiple of 128 on hardware (`prepare_operands`).
+    kv: [b, s, d] float32 cache rows (left in HBM).
     idx_bgnk: [b, t, n_kb, bk] int32 slot indices, -1 = empty.
     nlive_bt11: [b, t, 1, 1] int32, blocks up to the last valid slot.
     v_dim, scale: as in `reference.sparse_mla_reference`.
@@ -196,7 +210,7 @@ def sparse_mla_fwd(q, kv, idx_bgnk, nlive_bt11, *, v_dim, scale, interpret=False
 
 def _bwd_kernel(nlive_smem, idx_smem, idx_row_vmem, idx_col_vmem, q_ref, kv_hbm, do_ref,
                 lse_ref, delta_ref, dkv_in_hbm, dq_ref, dkv_hbm, rows_buf, sem, dkv_buf,
-                dsem, dq_acc, *, scale, v_dim, precision):
+                dsem, dq_acc, *, scale, precision):
   del dkv_in_hbm  # aliased with dkv_hbm
   bi, kb = pl.program_id(0), pl.program_id(2)
   n_kb = pl.num_programs(2)
@@ -239,19 +253,18 @@ def _bwd_kernel(nlive_smem, idx_smem, idx_row_vmem, idx_col_vmem, q_ref, kv_hbm,
   def _compute():
     dkv_rows("read")
     _gather_rows(idx_smem, kb, kv_hbm, bi, rows_buf, slot, sem, start=False)
-    rows = rows_buf[slot]                                      # [bk, d]
+    rows = rows_buf[slot].astype(q_ref.dtype)                  # [bk, d]
     q = q_ref[...]                                             # [h, d]
-    do = do_ref[...]                                           # [h, v]
+    do = do_ref[...]                                           # [h, d]
     valid = idx_row_vmem[pl.ds(kb, 1), :] >= 0                 # [1, bk]
     s = _nt_dot(q, rows, precision) * scale                    # [h, bk]
     p = jnp.where(valid, jnp.exp(s - lse_ref[...]), 0.0)       # lse [h, 1]
-    dp = _nt_dot(do, rows[:, :v_dim], precision)               # [h, bk]
+    dp = _nt_dot(do, rows, precision)                          # [h, bk]; do is 0 past v
     ds = p * (dp - delta_ref[...])                             # [h, bk]
     ds_c = ds.astype(rows.dtype)
     dq_acc[...] += _nn_dot(ds_c, rows, precision) * scale
-    d_rows = _tn_dot(ds_c, q, precision) * scale               # [bk, d]
-    dv_rows = _tn_dot(p.astype(do.dtype), do, precision)       # [bk, v]
-    d_rows = jnp.concatenate([d_rows[:, :v_dim] + dv_rows, d_rows[:, v_dim:]], axis=1)
+    d_rows = (_tn_dot(ds_c, q, precision) * scale              # [bk, d]
+              + _tn_dot(p.astype(do.dtype), do, precision))
     # Sum the contributions of slots that name the same row (duplicates) so that
     # each of their read-modify-writes stores the same total.
     col = idx_col_vmem[...]                                    # [bk, 1]
@@ -271,13 +284,14 @@ def _bwd_kernel(nlive_smem, idx_smem, idx_row_vmem, idx_col_vmem, q_ref, kv_hbm,
     dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
 
 
-def sparse_mla_bwd(q, kv, idx_bgnk, nlive_bt11, do, lse_bth1, delta_bth1, *, v_dim, scale,
+def sparse_mla_bwd(q, kv, idx_bgnk, nlive_bt11, do, lse_bth1, delta_bth1, *, scale,
                    interpret=False):
   """Backward kernel.
 
   Args:
     q, kv, idx_bgnk, nlive_bt11: as in `sparse_mla_fwd`.
-    do: [b, t, h, v] output cotangent.
+    do: [b, t, h, d] output cotangent, zero-padded from v to d columns (so that
+      do . rows^T and p^T . do need no lane slicing or concatenation).
     lse_bth1: [b, t, h, 1] float32 saved log-sum-exp.
     delta_bth1: [b, t, h, 1] float32, sum(do * out, -1) - dlse.
 
@@ -287,7 +301,7 @@ def sparse_mla_bwd(q, kv, idx_bgnk, nlive_bt11, do, lse_bth1, delta_bth1, *, v_d
   b, t, h, d = q.shape
   s = kv.shape[1]
   _, _, n_kb, block_k = idx_bgnk.shape
-  kernel = functools.partial(_bwd_kernel, scale=scale, v_dim=v_dim,
+  kernel = functools.partial(_bwd_kernel, scale=scale,
                              precision=_backend.dot_precision(q.dtype))
   per_query = lambda shape: pl.BlockSpec((None, None) + shape, lambda i, j, k: (i, j, 0, 0))
   idx_col = idx_bgnk.reshape(b, t, n_kb * block_k, 1)
@@ -304,7 +318,7 @@ def sparse_mla_bwd(q, kv, idx_bgnk, nlive_bt11, do, lse_bth1, delta_bth1, *, v_d
           pl.BlockSpec((None, None, block_k, 1), lambda i, j, k: (i, j, k, 0)),
           per_query((h, d)),
           pl.BlockSpec(memory_space=pl.ANY),
-          per_query((h, v_dim)),
+          per_query((h, d)),
           per_query((h, 1)),
           per_query((h, 1)),
           pl.BlockSpec(memory_space=pl.ANY),
