@@ -1,6 +1,7 @@
 r"""Decode throughput of the inference engine on CPU: absorbed vs expanded MLA, KV bytes, MTP.
 
-  python -m experiments.bench_decode --presets=tiny,small --contexts=1024,8192 --out=/tmp/bench_decode.json
+  python -m experiments.bench_decode --presets=tiny,small --contexts=1024,8192 \
+      --out=/tmp/bench_decode.json
 
 For each preset and context length: one request (batch 1) is prefilled to the
 context in a session, then `--new_tokens` greedy tokens are decoded with the
@@ -34,6 +35,7 @@ _PRESETS = flags.DEFINE_list("presets", ["tiny", "small"], "model presets")
 _CONTEXTS = flags.DEFINE_list("contexts", ["1024", "8192"], "context lengths")
 _NEW = flags.DEFINE_integer("new_tokens", 32, "timed decode tokens per point")
 _SPEC = flags.DEFINE_boolean("speculative", True, "also time MTP speculative decoding")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "timed calls per point (median)")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "HF dir for the speculative run")
 _OUT = flags.DEFINE_string("out", "bench_decode.json", "JSON output path")
 
@@ -41,21 +43,25 @@ _STEPS = 8                                      # decode steps per device call
 
 
 def _decode_rate(engine, sid, n, form):
-  """Decode tokens/s of n greedy tokens appended to the session (after a warm-up call)."""
+  """Median decode tokens/s of n greedy tokens appended to the session, over _REPEATS
+  calls after a warm-up call that compiles."""
   warm = SamplingParams(max_new_tokens=_STEPS + 1, temperature=0.0)
   engine.generate([[]], warm, session_id=sid, attention_form=form)
-  out = engine.generate([[]], SamplingParams(max_new_tokens=n + 1, temperature=0.0),
-                        session_id=sid, attention_form=form)[0]
-  s = engine.last_stats
-  return (len(out.token_ids) - 1) / s["decode_s"], out
+  rates = []
+  for _ in range(_REPEATS.value):
+    out = engine.generate([[]], SamplingParams(max_new_tokens=n + 1, temperature=0.0),
+                          session_id=sid, attention_form=form)[0]
+    rates.append((len(out.token_ids) - 1) / engine.last_stats["decode_s"])
+  return float(np.median(rates)), out
 
 
 def bench_preset(preset, contexts, n):
   rows = []
   for ctx in contexts:
-    cfg = config_lib.get_preset(preset, max_position_embeddings=ctx + 4 * n + 64)
+    max_len = ctx + (_REPEATS.value + 2) * (n + 1) + 64
+    cfg = config_lib.get_preset(preset, max_position_embeddings=max_len)
     params = gnn.init_params(cfg, 0)
-    engine = Engine(cfg, params, max_batch=1, max_len=ctx + 4 * n + 64, prefill_chunk=512,
+    engine = Engine(cfg, params, max_batch=1, max_len=max_len, prefill_chunk=512,
                     steps_per_sync=_STEPS)
     sid = engine.new_session()
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, ctx).tolist()
@@ -71,15 +77,16 @@ def bench_preset(preset, contexts, n):
 
 
 def bench_speculative(ctx, n, checkpoint):
+  max_len = ctx + (_REPEATS.value + 2) * (n + 1) + 64
   if checkpoint:
     cfg, params = hf.load_pretrained(checkpoint)
   else:
-    cfg = config_lib.get_preset("tiny", max_position_embeddings=ctx + 8 * n + 64)
+    cfg = config_lib.get_preset("tiny", max_position_embeddings=max_len)
     params = gnn.init_params(cfg, 0)
   prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, ctx).tolist()
   result = {"context": ctx, "weights": checkpoint or "random (tiny)"}
   for spec in (False, True):
-    engine = Engine(cfg, params, max_batch=1, max_len=ctx + 8 * n + 64, prefill_chunk=512,
+    engine = Engine(cfg, params, max_batch=1, max_len=max_len, prefill_chunk=512,
                     steps_per_sync=_STEPS, speculative=spec)
     sid = engine.new_session()
     engine.generate([prompt], SamplingParams(max_new_tokens=1, temperature=0.0), session_id=sid)

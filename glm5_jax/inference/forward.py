@@ -275,7 +275,7 @@ def kv_bytes_per_token(cfg, with_mtp: bool = False) -> dict[str, int]:
   dsize = jnp.dtype(cfg.dtype).itemsize
   n_idx = sum(cfg.indexer_type(i) == "full" for i in range(cfg.num_hidden_layers))
   n_idx += layers - cfg.num_hidden_layers
-  latent = layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dsize + n_idx * cfg.index_head_dim * 4
-  h = cfg.num_attention_heads
-  expanded = layers * h * (cfg.qk_head_dim + cfg.v_head_dim) * dsize + n_idx * cfg.index_head_dim * 4
-  return {"latent": int(latent), "expanded_per_head": int(expanded)}
+  idx_bytes = n_idx * cfg.index_head_dim * 4                        # float32 indexer keys
+  latent = layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dsize + idx_bytes
+  per_head = layers * cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim) * dsize
+  return {"latent": int(latent), "expanded_per_head": int(per_head + idx_bytes)}

@@ -114,6 +114,9 @@ def loss_fn(params, batch, *, cfg, stage: str, loss_chunk: int):
   mtp = losses.mtp_loss(mtp_ce, mcfg.mtp_loss_weight)
   kl = jnp.zeros(()) if out.indexer_kl is None else jnp.sum(out.indexer_kl)
   n_kl_layers = max(1, mcfg.num_hidden_layers)
+  if out.mtp_indexer_kl is not None:            # the shared MTP layer's indexer, once
+    kl = kl + jnp.mean(out.mtp_indexer_kl)
+    n_kl_layers += 1
   if stage == "dsa_warmup":
     total = kl                                    # only the indexer trains
   else:

@@ -33,7 +33,8 @@ def _block_k(backend: str, k: int, block_k: int | None) -> int:
     if block_k is None:
       return min(tpu.DEFAULT_BLOCK_K, -(-k // 8) * 8)
     if block_k < 8 or block_k % 8:
-      raise ValueError(f"sparse_mla: block_k={block_k}, expected a multiple of 8 for the TPU kernel")
+      raise ValueError(f"sparse_mla: block_k={block_k}, expected a multiple of 8 for the "
+                       "TPU kernel")
     return block_k
   if block_k is None:
     return min(gpu.DEFAULT_BLOCK_K, _backend.next_pow2(k, gpu.MIN_DIM))
@@ -44,7 +45,7 @@ def _block_k(backend: str, k: int, block_k: int | None) -> int:
 
 
 def _blocked_indices(indices, block_k: int):
-  """Indices padded with -1 to n_kb * bk slots, and n_live [b, t]: blocks up to the last valid slot."""
+  """Indices padded with -1 to n_kb * bk slots; n_live [b, t]: blocks up to the last valid slot."""
   idx = _backend.pad_to(indices.astype(jnp.int32), 2, block_k, value=-1)
   pos = jnp.arange(idx.shape[-1], dtype=jnp.int32)
   last = jnp.max(jnp.where(idx >= 0, pos, -1), axis=-1)
