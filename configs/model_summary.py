@@ -3,10 +3,11 @@
 import ml_collections
 
 from configs import common
+from glm5_jax import config as config_lib
 
 
 def get_config(arg=None):
   a = common.parse_arg(arg, model="glm5")
   config = ml_collections.ConfigDict()
-  config.model = ml_collections.ConfigDict({"preset": a.model})
+  config.model = config_lib.preset_config_dict(a.model)
   return config

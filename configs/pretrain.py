@@ -10,12 +10,13 @@ import os
 import ml_collections
 
 from configs import common
+from glm5_jax import config as config_lib
 
 
 def get_config(arg=None):
   a = common.parse_arg(arg, model="tiny", stage="pretrain", runlocal=False)
   c = ml_collections.ConfigDict()
-  c.model = ml_collections.ConfigDict({"preset": a.model})
+  c.model = config_lib.preset_config_dict(a.model)
   c.stage = a.stage
   c.seed = 0
   c.batch_size = 256                      # global, in sequences

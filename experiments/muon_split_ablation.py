@@ -177,7 +177,8 @@ def plot(results, path):
     ax.fill_between(steps[:n], ys.min(0), ys.max(0), color=line.get_color(), alpha=0.2)
   ax.set_xlabel("step")
   ax.set_ylabel("held-out loss (nats / byte)")
-  ax.set_title("tiny GLM-5 on stdlib bytes: held-out loss (mean, min-max over seeds)")
+  ax.set_title("tiny GLM-5 on stdlib bytes: held-out loss (mean, min-max over seeds)",
+               fontsize=10)
   lo = min(min(l for _, l in r["heldout"]) for runs in results.values() for r in runs)
   ax.set_ylim(lo - 0.05, lo + 1.5)
   ax.grid(alpha=0.3)

@@ -318,6 +318,19 @@ def get_preset(name: str, **overrides) -> ModelConfig:
   return ModelConfig().replace(**{**_PRESETS[name], **overrides})
 
 
+def preset_config_dict(name: str):
+  """An ml_collections ConfigDict of every ModelConfig field of preset `name` (plus `preset`).
+
+  Config files put it under `config.model`, so any field is overridable from the
+  command line: `--config.model.index_topk=64`.
+  """
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  fields = dataclasses.asdict(get_preset(name))
+  fields = {k: (list(v) if isinstance(v, tuple) else v) for k, v in fields.items()
+            if v is not None}
+  return ml_collections.ConfigDict({"preset": name, **fields})
+
+
 def from_config_dict(cd) -> ModelConfig:
   """Builds a ModelConfig from an ml_collections ConfigDict `model` section.
 

@@ -129,7 +129,8 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, data
 @pytest.mark.parametrize("extra,devices,match", [
     (["--config.seq_len=100000"], 1, "seq_len=100000 > model max_position_embeddings"),
     (["--config.mesh.data=3"], 1, "needs 3 devices, but 1 are available"),
-    (["--config.mesh.data=3"], 8, "8 devices are not divisible"),
+    (["--config.mesh.data=3"], 8, "needs 3 devices, but 8 are available"),
+    (["--config.mesh.data=-1", "--config.mesh.fsdp=3"], 8, "8 devices are not divisible"),
     (["--config.mesh.data=1", "--config.mesh.tensor=8"], 8, "does not divide num_attention_heads"),
     (["--config.mesh.data=1", "--config.mesh.expert=8", "--config.model.n_routed_experts=12"], 8,
      "does not divide n_routed_experts=12"),

@@ -134,8 +134,10 @@ def _init_state(c, cfg, tx, mesh, param_sh, abstract):
   if c.init_from:
     params = ckpt_lib.restore_params(c.init_from, abstract_with(abstract, param_sh))
   opt_state = jax.jit(tx.init)(params)
-  return step_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
-                             rng=jax.random.key_data(jax.random.PRNGKey(c.seed)))
+  rep = shd.replicated(mesh)
+  return step_lib.TrainState(
+      step=jax.device_put(jnp.zeros((), jnp.int32), rep), params=params, opt_state=opt_state,
+      rng=jax.device_put(jax.random.key_data(jax.random.PRNGKey(c.seed)), rep))
 
 
 def abstract_with(shapes, shardings):
