@@ -60,6 +60,8 @@ def get_config(arg=None):
       "num_shards": 4,
       "max_files": 0,
       "prepare_if_missing": True,
+      "shard": "rows",                    # rows: same global batch for any process count
+                                          # documents: disjoint reading per process
   })
 
   if a.stage == "midtrain":

@@ -55,12 +55,23 @@ def test_packing_segments_positions_and_resume(data_dir):
 
 def test_processes_get_disjoint_documents(data_dir):
   a = pipeline.packed_dataset(data_dir, "train", seq_len=32, batch_per_process=1, seed=0,
-                              process_index=0, process_count=2, shuffle=False, repeat=False)
+                              process_index=0, process_count=2, shuffle=False, repeat=False,
+                              shard="documents")
   b = pipeline.packed_dataset(data_dir, "train", seq_len=32, batch_per_process=1, seed=0,
-                              process_index=1, process_count=2, shuffle=False, repeat=False)
+                              process_index=1, process_count=2, shuffle=False, repeat=False,
+                              shard="documents")
   ta = np.concatenate([x["tokens"].ravel() for x in a])
   tb = np.concatenate([x["tokens"].ravel() for x in b])
   assert len(ta) and len(tb) and not np.array_equal(ta[:32], tb[:32])
+
+
+def test_row_sharding_splits_one_global_batch(data_dir):
+  kw = dict(seq_len=32, seed=3)
+  whole = next(iter(pipeline.packed_dataset(data_dir, "train", batch_per_process=4, **kw)))
+  parts = [next(iter(pipeline.packed_dataset(data_dir, "train", batch_per_process=2,
+                                             process_index=i, process_count=2, **kw)))
+           for i in range(2)]
+  np.testing.assert_array_equal(np.concatenate([p["tokens"] for p in parts]), whole["tokens"])
 
 
 def test_errors_name_the_problem(tmp_path, text_dir):

@@ -27,8 +27,19 @@ def _rename(row):
 
 def packed_dataset(data_dir: str, split: str, *, seq_len: int, batch_per_process: int,
                    seed: int, process_index: int = 0, process_count: int = 1,
-                   shuffle: bool = True, repeat: bool = True) -> grain.IterDataset:
-  """IterDataset of {tokens, segment_ids, positions}: int32 [batch_per_process, seq_len]."""
+                   shuffle: bool = True, repeat: bool = True,
+                   shard: str = "rows") -> grain.IterDataset:
+  """IterDataset of {tokens, segment_ids, positions}: int32 [batch_per_process, seq_len].
+
+  shard="rows": every process packs the same global batch and keeps its rows,
+    so the global batch does not depend on the number of processes (a run on 2
+    hosts equals the run on 1); every process reads the whole stream.
+  shard="documents": each process reads every process_count-th document and
+    packs its own rows (no redundant reading; the batches depend on the process
+    count).
+  """
+  if shard not in ("rows", "documents"):
+    raise ValueError(f"data.shard={shard!r}: expected 'rows' or 'documents'")
   if seq_len < 2:
     raise ValueError(f"seq_len={seq_len}: expected >= 2")
   if batch_per_process < 1:
@@ -40,10 +51,15 @@ def packed_dataset(data_dir: str, split: str, *, seq_len: int, batch_per_process
     ds = ds.shuffle(seed=seed)
   if repeat:
     ds = ds.repeat()
-  ds = ds[process_index::process_count].map(_decode)
-  packed = grain_exp.ConcatThenSplitIterDataset(ds.to_iter_dataset(),
+  if shard == "documents":
+    ds = ds[process_index::process_count]
+  packed = grain_exp.ConcatThenSplitIterDataset(ds.map(_decode).to_iter_dataset(),
                                                 length_struct={"tokens": seq_len})
-  return packed.map(_rename).batch(batch_per_process, drop_remainder=True)
+  if shard == "documents":
+    return packed.map(_rename).batch(batch_per_process, drop_remainder=True)
+  lo, hi = process_index * batch_per_process, (process_index + 1) * batch_per_process
+  return (packed.map(_rename).batch(batch_per_process * process_count, drop_remainder=True)
+          .map(lambda b: {k: v[lo:hi] for k, v in b.items()}))
 
 
 def loss_mask(segment_ids, offset: int = 1):

@@ -51,7 +51,7 @@ def maybe_initialize_distributed(c) -> None:
     if "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):   # multi-host TPU VM
       jax.distributed.initialize()
     return
-  if jax.default_backend() == "cpu" or d.cpu_collectives:
+  if d.cpu_collectives:                # CPU processes talk through gloo (WORKSPACE.md)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(coordinator_address=d.coordinator_address or None,
                              num_processes=d.num_processes if d.num_processes > 0 else None,
@@ -134,10 +134,19 @@ def _init_state(c, cfg, tx, mesh, param_sh, abstract):
   if c.init_from:
     params = ckpt_lib.restore_params(c.init_from, abstract_with(abstract, param_sh))
   opt_state = jax.jit(tx.init)(params)
+  opt_state = jax.tree.map(lambda x, sh: x if x.sharding == sh else jax.device_put(x, sh),
+                           opt_state, _on_mesh(jax.tree.map(lambda x: x.sharding, opt_state), mesh))
   rep = shd.replicated(mesh)
   return step_lib.TrainState(
       step=jax.device_put(jnp.zeros((), jnp.int32), rep), params=params, opt_state=opt_state,
       rng=jax.device_put(jax.random.key_data(jax.random.PRNGKey(c.seed)), rep))
+
+
+def _on_mesh(shardings, mesh):
+  """Shardings left on fewer devices than the mesh (e.g. step counters) become replicated."""
+  devices = set(mesh.devices.flat)
+  rep = shd.replicated(mesh)
+  return jax.tree.map(lambda sh: sh if set(sh.device_set) == devices else rep, shardings)
 
 
 def abstract_with(shapes, shardings):
@@ -170,7 +179,7 @@ def evaluate(c, cfg, params, eval_fn, meta, batch_sh) -> dict:
   ds = pipeline.packed_dataset(c.data.dir, "validation", seq_len=c.seq_len,
                                batch_per_process=c.batch_size // n_proc, seed=0,
                                process_index=p_idx, process_count=n_proc, shuffle=False,
-                               repeat=True)
+                               repeat=True, shard=c.data.shard)
   nll, tok, kl = 0.0, 0.0, 0.0
   it = iter(ds)
   for _ in range(c.eval_batches):
@@ -212,7 +221,8 @@ def run(c, workdir: str) -> dict:
   mngr = ckpt_lib.manager(workdir, keep=c.keep_checkpoints, async_save=c.async_checkpoints)
   ds = pipeline.packed_dataset(c.data.dir, "train", seq_len=c.seq_len,
                                batch_per_process=c.batch_size // n_proc, seed=c.seed,
-                               process_index=jax.process_index(), process_count=n_proc)
+                               process_index=jax.process_index(), process_count=n_proc,
+                               shard=c.data.shard)
   data_iter = iter(ds)
   latest = mngr.latest_step()
   with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else mesh:
@@ -222,7 +232,7 @@ def run(c, workdir: str) -> dict:
       init_opt = jax.jit(tx.init).lower(abstract_params).compile()
       abstract_opt = jax.tree.map(
           lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-          jax.eval_shape(tx.init, abstract_params), init_opt.output_shardings)
+          jax.eval_shape(tx.init, abstract_params), _on_mesh(init_opt.output_shardings, mesh))
       abstract_state = step_lib.TrainState(
           step=jax.ShapeDtypeStruct((), jnp.int32, sharding=shd.replicated(mesh)),
           params=abstract_params, opt_state=abstract_opt,
