@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from glm5_jax import config as config_lib
+from glm5_jax import timing
 from glm5_jax import hf
 from glm5_jax import nn as gnn
 from pallas_kernels import lightning_indexer
@@ -32,16 +33,6 @@ _PRESET = flags.DEFINE_string("preset", "tiny", "model preset")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "timed runs per point (median)")
 _HF_MAX = flags.DEFINE_integer("hf_max_len", 16384, "skip transformers above this length")
 _OUT = flags.DEFINE_string("out", "bench_forward.json", "JSON output path (PNG beside it)")
-
-
-def _time(fn, *args, repeats):
-  jax.block_until_ready(fn(*args))                     # compile + warm up
-  ts = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    ts.append(time.perf_counter() - t0)
-  return float(np.median(ts))
 
 
 def _time_torch(model, tokens, repeats):
@@ -75,19 +66,19 @@ def bench(cfg, lengths, repeats, hf_max_len):
   dq = cfg.kv_lora_rank + cfg.qk_rope_head_dim
   for t in lengths:
     tokens = rng.integers(0, cfg.vocab_size, (1, t))
-    row = {"seq_len": t, "ours_forward_s": _time(fwd, params, jnp.asarray(tokens, jnp.int32),
-                                                 repeats=repeats)}
+    row = {"seq_len": t, "ours_forward_s": timing.median_time(
+        fwd, params, jnp.asarray(tokens, jnp.int32), repeats=repeats)}
     f32 = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
     q_i, k_i, w_i = f32(1, t, hi, di), f32(1, t, di), f32(1, t, hi)
     topk_fn = jax.jit(lambda q, k, w: lightning_indexer.topk_indices(
         q, k, w, cfg.index_topk, chunk_size=cfg.attention_chunk_size))
-    row["indexer_s"] = _time(topk_fn, q_i, k_i, w_i, repeats=repeats)
+    row["indexer_s"] = timing.median_time(topk_fn, q_i, k_i, w_i, repeats=repeats)
     idx = topk_fn(q_i, k_i, w_i)
     attn_fn = jax.jit(lambda q, kv, i: sparse_attention.sparse_mla(
         q, kv, i, v_dim=cfg.kv_lora_rank, scale=cfg.softmax_scale,
         chunk_size=cfg.attention_chunk_size)[0])
-    row["sparse_attention_s"] = _time(attn_fn, f32(1, t, h, dq), f32(1, t, dq), idx,
-                                      repeats=repeats)
+    row["sparse_attention_s"] = timing.median_time(attn_fn, f32(1, t, h, dq), f32(1, t, dq),
+                                                   idx, repeats=repeats)
     if hf_model is not None and t <= hf_max_len:
       row["hf_eager_forward_s"] = _time_torch(hf_model, tokens, repeats)
     rows.append(row)

@@ -19,7 +19,6 @@ indexer on random inputs, so early queries have -1 tails as in the model.
 """
 
 import json
-import time
 
 from absl import app
 from absl import flags
@@ -27,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from glm5_jax import timing
 from pallas_kernels import lightning_indexer
 from pallas_kernels import roofline
 from pallas_kernels import sparse_attention
@@ -57,25 +57,15 @@ _BACKEND = flags.DEFINE_enum(
 _OUT = flags.DEFINE_string("out", "", "JSON output path (optional)")
 
 
-def _time(fn, *args, repeats):
-  jax.block_until_ready(fn(*args))                     # compile + warm up
-  ts = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    ts.append(time.perf_counter() - t0)
-  return float(np.median(ts))
-
-
 def measure_peaks(dtype):
   """(TFLOP/s of a square matmul, GB/s of an elementwise copy) on the default device."""
   on_cpu = jax.default_backend() == "cpu"
   n = 1024 if on_cpu else 8192
   a = jnp.ones((n, n), dtype)
-  t_mm = _time(jax.jit(lambda x: x @ x), a, repeats=3)
+  t_mm = timing.median_time(jax.jit(lambda x: x @ x), a, repeats=3)
   m = (16 if on_cpu else 1024) * 2 ** 20 // 4
   x = jnp.ones((m,), jnp.float32)
-  t_cp = _time(jax.jit(lambda v: v * 2.0), x, repeats=3)
+  t_cp = timing.median_time(jax.jit(lambda v: v * 2.0), x, repeats=3)
   return 2 * n ** 3 / t_mm / 1e12, 2 * m * 4 / t_cp / 1e9
 
 
@@ -130,7 +120,7 @@ def bench(shape, lengths, ops, impls, batch, dtype, repeats, peak_tflops, peak_g
       cost = roofline.cost(op, b=batch, t=t, s=t, n_valid=n_valid, dtype=dtype, **shape)
       floor_s = roofline.floor_seconds(cost, peak_tflops, peak_gbs)
       for impl in impls:
-        secs = _time(_op_fn(op, impl, shape, backend, chunk), *args, repeats=repeats)
+        secs = timing.median_time(_op_fn(op, impl, shape, backend, chunk), *args, repeats=repeats)
         rows.append(dict(op=op, seq_len=t, impl=impl, seconds=secs, gflop=cost.flops / 1e9,
                          mbytes=cost.bytes / 1e6, floor_seconds=floor_s,
                          bound=roofline.bound(cost, peak_tflops, peak_gbs),

@@ -17,7 +17,6 @@ import time
 from absl import app
 from absl import flags
 import jax
-import jax.numpy as jnp
 import optax
 from optax.contrib import MuonDimensionNumbers
 

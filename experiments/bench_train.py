@@ -11,7 +11,6 @@ fwd. Memory: XLA's compiled memory analysis of the full train step (arguments
 import functools
 import json
 import resource
-import time
 
 from absl import app
 from absl import flags
@@ -21,6 +20,7 @@ import ml_collections
 import numpy as np
 
 from glm5_jax import config as config_lib
+from glm5_jax import timing
 from glm5_jax import nn as gnn
 from glm5_jax.train import step as step_lib
 
@@ -30,16 +30,6 @@ _SEQ = flags.DEFINE_integer("seq", 512, "sequence length")
 _STAGE = flags.DEFINE_string("stage", "pretrain", "stage (selects attention and losses)")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "timed runs (median)")
 _OUT = flags.DEFINE_string("out", "bench_train.json", "JSON output")
-
-
-def _median_time(fn, *args, repeats):
-  jax.block_until_ready(fn(*args))
-  ts = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    ts.append(time.perf_counter() - t0)
-  return float(np.median(ts))
 
 
 def bench_preset(preset, batch, seq, stage, repeats):
@@ -64,10 +54,10 @@ def bench_preset(preset, batch, seq, stage, repeats):
   train = jax.jit(functools.partial(step_lib.train_step, cfg=cfg, stage=stage, tx=tx,
                                     loss_chunk=256, bias_rate=1e-3))
   mem = train.lower(state, batch_d).compile().memory_analysis()
-  t_fwd = _median_time(fwd, params, batch_d, repeats=repeats)
-  t_fb = _median_time(fwd_bwd, params, batch_d, repeats=repeats)
-  t_opt = _median_time(opt, grads, opt_state, params, repeats=repeats)
-  t_step = _median_time(lambda s, b: train(s, b)[1]["loss"], state, batch_d, repeats=repeats)
+  t_fwd = timing.median_time(fwd, params, batch_d, repeats=repeats)
+  t_fb = timing.median_time(fwd_bwd, params, batch_d, repeats=repeats)
+  t_opt = timing.median_time(opt, grads, opt_state, params, repeats=repeats)
+  t_step = timing.median_time(lambda s, b: train(s, b)[1]["loss"], state, batch_d, repeats=repeats)
   n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
   return {
       "preset": preset, "params": int(n_params), "batch": batch, "seq": seq,
