@@ -25,7 +25,7 @@ from absl import flags
 import numpy as np
 
 from glm5_jax import config as config_lib
-from glm5_jax import hf
+from glm5_jax.train import checkpoint as train_checkpoint
 from glm5_jax import nn as gnn
 from glm5_jax.inference import Engine
 from glm5_jax.inference import SamplingParams
@@ -36,7 +36,8 @@ _CONTEXTS = flags.DEFINE_list("contexts", ["1024", "8192"], "context lengths")
 _NEW = flags.DEFINE_integer("new_tokens", 32, "timed decode tokens per point")
 _SPEC = flags.DEFINE_boolean("speculative", True, "also time MTP speculative decoding")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "timed calls per point (median)")
-_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "HF dir for the speculative run")
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None,
+                                  "HF dir or pretraining workdir for the speculative run")
 _OUT = flags.DEFINE_string("out", "bench_decode.json", "JSON output path")
 
 _STEPS = 8                                      # decode steps per device call
@@ -79,7 +80,8 @@ def bench_preset(preset, contexts, n):
 def bench_speculative(ctx, n, checkpoint):
   max_len = ctx + (_REPEATS.value + 2) * (n + 1) + 64
   if checkpoint:
-    cfg, params = hf.load_pretrained(checkpoint)
+    cfg, params = train_checkpoint.load_model(checkpoint)
+    cfg = cfg.replace(max_position_embeddings=max(cfg.max_position_embeddings, max_len))
   else:
     cfg = config_lib.get_preset("tiny", max_position_embeddings=max_len)
     params = gnn.init_params(cfg, 0)

@@ -4,26 +4,26 @@ r"""Samples a continuation of a prompt with the KV-cached inference engine.
   python -m experiments.sample --preset=tiny --prompt="Hello" --speculative   # random weights
 
 --checkpoint is a Hugging Face `glm_moe_dsa` directory (config.json +
-safetensors, read by glm5_jax.hf.load_pretrained); orbax pretraining
-checkpoints are not readable here yet (they arrive with the pretraining
-issue). Without --checkpoint, --preset builds random weights (smoke runs).
+safetensors, read by glm5_jax.hf.load_pretrained) or a pretraining workdir
+(orbax checkpoints, its latest step). Without --checkpoint, --preset builds
+random weights (smoke runs).
 The prompt is tokenized byte-level (one id per UTF-8 byte, the tiny preset's
 256-token vocabulary); --prompt_ids passes token ids directly for any vocabulary.
 Prints the continuation (bytes decoded with replacement) and tokens/s.
 """
 
-import os
 
 from absl import app
 from absl import flags
 
 from glm5_jax import config as config_lib
-from glm5_jax import hf
+from glm5_jax.train import checkpoint as train_checkpoint
 from glm5_jax import nn as gnn
 from glm5_jax.inference import Engine
 from glm5_jax.inference import SamplingParams
 
-_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Hugging Face glm_moe_dsa directory")
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None,
+                                  "Hugging Face glm_moe_dsa directory or pretraining workdir")
 _PRESET = flags.DEFINE_string("preset", "tiny", "random-weight preset when no --checkpoint")
 _PROMPT = flags.DEFINE_string("prompt", "Hello", "prompt text (byte-level tokens)")
 _PROMPT_IDS = flags.DEFINE_list("prompt_ids", None, "prompt token ids (overrides --prompt)")
@@ -37,15 +37,11 @@ _SPECULATIVE = flags.DEFINE_boolean("speculative", False, "MTP speculative decod
 
 
 def load(checkpoint, preset):
-  """(cfg, params) from an HF directory, or random weights of a preset."""
+  """(cfg, params) from an HF directory or a pretraining workdir, or random weights."""
   if checkpoint is None:
     cfg = config_lib.get_preset(preset)
     return cfg, gnn.init_params(cfg, 0)
-  if not os.path.exists(os.path.join(checkpoint, "config.json")):
-    raise ValueError(f"--checkpoint={checkpoint}: no config.json; expected a Hugging Face "
-                     "glm_moe_dsa directory (orbax pretraining checkpoints are not supported "
-                     "by experiments.sample yet)")
-  return hf.load_pretrained(checkpoint)
+  return train_checkpoint.load_model(checkpoint)
 
 
 def main(argv):

@@ -92,3 +92,28 @@ def check_model_config(workdir: str, cfg) -> None:
     os.makedirs(workdir, exist_ok=True)
     with open(path, "w") as f:
       json.dump(now, f, indent=2)
+
+
+def load_model(path: str):
+  """(ModelConfig, params) from a Hugging Face directory or a pretraining workdir.
+
+  A workdir (or one of its `checkpoints/<step>` dirs) gives its latest (or that)
+  step's params, placed on the first device.
+  """
+  if os.path.exists(os.path.join(path, "config.json")):
+    from glm5_jax import hf  # pylint: disable=g-import-not-at-top
+    return hf.load_pretrained(path)
+  from glm5_jax import nn as gnn  # pylint: disable=g-import-not-at-top
+  from glm5_jax.config import ModelConfig  # pylint: disable=g-import-not-at-top
+  workdir = os.path.abspath(path)
+  while workdir != "/" and not os.path.exists(os.path.join(workdir, "model_config.json")):
+    workdir = os.path.dirname(workdir)
+  if workdir == "/":
+    raise FileNotFoundError(f"{path!r}: no model_config.json in it or above it; expected a "
+                            "pretraining workdir")
+  with open(os.path.join(workdir, "model_config.json")) as f:
+    cfg = ModelConfig(**json.load(f))
+  shapes, _ = gnn.abstract_params(cfg)
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), shapes)
+  return cfg, restore_params(path, target)
