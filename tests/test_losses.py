@@ -94,4 +94,5 @@ def test_routing_bias_update_moves_load_toward_uniform(rng):
   for _ in range(100):
     bias = losses.update_routing_bias(bias, load(bias), rate=0.01)
   after = float(jnp.max(load(bias)) / jnp.mean(load(bias)))
-  assert before > 1.5 and after < 1.2 and after < before
+  # Over 30 seeds: before 1.84-2.16, after 1.05-1.20.
+  assert before > 1.5 and after < 1.35 and after < before - 0.4
