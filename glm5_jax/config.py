@@ -19,6 +19,7 @@ _DTYPES = ("float32", "bfloat16", "float16", "float64")
 _ATTENTION_IMPLS = ("xla", "pallas")
 _ATTENTION_TYPES = ("sparse", "dense")
 _REMAT = ("none", "full", "save_dots")
+_EXPERT_DISPATCH = ("all_to_all", "gspmd")
 _INDEXER_TYPES = ("full", "shared")
 
 
@@ -77,6 +78,8 @@ class ModelConfig:
   dtype: str = "float32"                  # activation / compute dtype
   param_dtype: str = "float32"            # master weights
   remat: str = "none"                     # "none" | "full" | "save_dots"
+  expert_dispatch: str = "all_to_all"     # with a mesh whose `expert` axis > 1 (nn/moe_ep.py);
+                                          # "gspmd" leaves the dispatch to the partitioner
 
   def __post_init__(self):
     if isinstance(self.eos_token_id, list):
@@ -279,7 +282,8 @@ def _validate(c: ModelConfig) -> None:
       _err("indexer_types", c.indexer_types, "layer 0 must be 'full' (a 'shared' layer reuses "
            "the previous full layer's top-k)")
   for f, allowed in (("attention_type", _ATTENTION_TYPES), ("attention_impl", _ATTENTION_IMPLS),
-                     ("dtype", _DTYPES), ("param_dtype", _DTYPES), ("remat", _REMAT)):
+                     ("dtype", _DTYPES), ("param_dtype", _DTYPES), ("remat", _REMAT),
+                     ("expert_dispatch", _EXPERT_DISPATCH)):
     if getattr(c, f) not in allowed:
       _err(f, getattr(c, f), f"expected one of {allowed}")
 

@@ -22,6 +22,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from glm5_jax.nn import moe_ep
 from glm5_jax.nn import params as P
 
 
@@ -98,8 +99,11 @@ class MoE(nn.Module):
     x = x_btd.reshape(b * t, d)
     ids, weights = router(x)
     w_gate, w_up, w_down = experts()
-    y, counts = grouped_swiglu(x.astype(dt), ids, weights, w_gate.astype(dt), w_up.astype(dt),
-                               w_down.astype(dt))
+    dispatch = grouped_swiglu
+    if cfg.expert_dispatch == "all_to_all" and moe_ep.expert_parallel_size() > 1:
+      dispatch = moe_ep.ep_grouped_swiglu                # all-to-all inside shard_map
+    y, counts = dispatch(x.astype(dt), ids, weights, w_gate.astype(dt), w_up.astype(dt),
+                         w_down.astype(dt))
     y = y.reshape(b, t, d)
     if cfg.n_shared_experts:
       y = y + MLP(cfg, i * cfg.n_shared_experts, name="shared")(x_btd)

@@ -77,7 +77,8 @@ def check_model_config(workdir: str, cfg) -> None:
   """Writes WORKDIR/model_config.json, or refuses a workdir of a different model shape."""
   path = os.path.join(workdir, "model_config.json")
   now = {k: v for k, v in dataclasses.asdict(cfg).items()
-         if k not in ("attention_type", "attention_impl", "attention_chunk_size", "remat", "dtype")}
+         if k not in ("attention_type", "attention_impl", "attention_chunk_size", "remat", "dtype",
+                      "expert_dispatch")}
   now = json.loads(json.dumps(now))
   if os.path.exists(path):
     with open(path) as f:

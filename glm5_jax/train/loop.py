@@ -225,7 +225,7 @@ def run(c, workdir: str) -> dict:
                                shard=c.data.shard)
   data_iter = iter(ds)
   latest = mngr.latest_step()
-  with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else mesh:
+  with jax.set_mesh(mesh):
     state = _init_state(c, cfg, tx, mesh, param_sh, shapes) if latest is None else None
     if latest is not None:
       abstract_params = abstract_with(shapes, param_sh)
@@ -277,24 +277,28 @@ def run(c, workdir: str) -> dict:
 
   try:
     step = start
-    while step < c.total_steps:
-      batch = _to_global(next(data_iter), batch_sh)
-      state, m = train_fn(state, batch)
-      step += 1
-      pending.append((step, m))
-      stop = sigterm.hit
-      if step % c.log_every == 0 or step == c.total_steps or stop or step % c.checkpoint_every == 0:
-        flush(step)                                     # also the non-finite check
-      if step % c.eval_every == 0 or step == c.total_steps:
-        ev = evaluate(c, cfg, state.params, eval_fn, meta, batch_sh)
-        writer.write(step, ev, prefix="eval_")
-        logging.info("[%s] step %d eval loss %.4f  bits/byte %.4f  indexer_kl %.4g", c.stage,
-                     step, ev["loss"], ev["bits_per_byte"], ev["indexer_kl"])
-        last.update({f"eval_{k}": v for k, v in ev.items()})
-      if step % c.checkpoint_every == 0 or step == c.total_steps or stop:
-        ckpt_lib.save(mngr, step, state, data_iter, force=True)
-      if stop:
-        break
+    # The mesh is set while steps trace: the MoE layers read its `expert` axis
+    # to dispatch tokens with an all-to-all (nn/moe_ep.py).
+    with jax.set_mesh(mesh):
+      while step < c.total_steps:
+        batch = _to_global(next(data_iter), batch_sh)
+        state, m = train_fn(state, batch)
+        step += 1
+        pending.append((step, m))
+        stop = sigterm.hit
+        if (step % c.log_every == 0 or step % c.checkpoint_every == 0 or stop
+            or step == c.total_steps):
+          flush(step)                                   # also the non-finite check
+        if step % c.eval_every == 0 or step == c.total_steps:
+          ev = evaluate(c, cfg, state.params, eval_fn, meta, batch_sh)
+          writer.write(step, ev, prefix="eval_")
+          logging.info("[%s] step %d eval loss %.4f  bits/byte %.4f  indexer_kl %.4g", c.stage,
+                       step, ev["loss"], ev["bits_per_byte"], ev["indexer_kl"])
+          last.update({f"eval_{k}": v for k, v in ev.items()})
+        if step % c.checkpoint_every == 0 or step == c.total_steps or stop:
+          ckpt_lib.save(mngr, step, state, data_iter, force=True)
+        if stop:
+          break
     mngr.wait_until_finished()
   finally:
     sigterm.restore()

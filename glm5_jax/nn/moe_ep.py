@@ -1,0 +1,81 @@
+"""Expert parallelism: dropless all-to-all token dispatch inside `shard_map` (design.md decision 7).
+
+Tokens are split over the batch axes (`data, fsdp, expert`), routed experts over
+`expert` (E / ep per device). On each device:
+
+  1. group its (token, expert) pairs by destination shard (expert id // E_local);
+  2. `all_to_all` over `expert`: every destination gets a [capacity, d] block from
+     every source. capacity = n_local * K, the worst case, so nothing is ever
+     dropped (dropless, like the single-device path; memory ep x the routed rows);
+  3. run the local experts as grouped matmuls (`ragged_dot`), padding rows last
+     (ragged_dot leaves rows past sum(group_sizes) at zero);
+  4. `all_to_all` the results back and combine them with the routing weights.
+
+Weights enter replicated over the non-expert axes (GSPMD gathers fsdp/tensor
+shards before the shard_map). Gradients flow through `all_to_all` (its own
+transpose), the gathers and `ragged_dot`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from glm5_jax import sharding as shd
+
+EXPERT_AXIS = "expert"
+
+
+def expert_parallel_size() -> int:
+  """The `expert` axis size of the mesh set with `jax.set_mesh` (1 without one)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return 1
+  return dict(mesh.shape).get(EXPERT_AXIS, 1)
+
+
+def _local_dispatch(x_nd, ids_nk, wts_nk, wg, wu, wd):
+  """Per-device body (inside shard_map): returns (y [n, d], global tokens per expert [E])."""
+  ep = jax.lax.axis_size(EXPERT_AXIS)
+  e_loc = wg.shape[0]
+  n, k = ids_nk.shape
+  d = x_nd.shape[-1]
+  cap = n * k
+  flat = ids_nk.reshape(-1)
+  dest = flat // e_loc                                        # destination shard per pair
+  order = jnp.argsort(dest, stable=True)
+  dest_s = dest[order]
+  counts = jnp.bincount(dest, length=ep)
+  slot = jnp.arange(cap) - (jnp.cumsum(counts) - counts)[dest_s]
+  token_of = order // k
+  send_x = jnp.zeros((ep, cap, d), x_nd.dtype).at[dest_s, slot].set(x_nd[token_of])
+  send_e = jnp.full((ep, cap), e_loc, jnp.int32).at[dest_s, slot].set(flat[order] % e_loc)
+
+  recv_x = jax.lax.all_to_all(send_x, EXPERT_AXIS, 0, 0).reshape(ep * cap, d)
+  recv_e = jax.lax.all_to_all(send_e, EXPERT_AXIS, 0, 0).reshape(ep * cap)
+  by_expert = jnp.argsort(recv_e, stable=True)               # padding id e_loc sorts last
+  sizes = jnp.bincount(recv_e, length=e_loc + 1)[:e_loc].astype(jnp.int32)
+  xs = recv_x[by_expert]
+  h = jax.nn.silu(jax.lax.ragged_dot(xs, wg, sizes)) * jax.lax.ragged_dot(xs, wu, sizes)
+  ys = jax.lax.ragged_dot(h, wd, sizes)
+  ys = jnp.zeros_like(ys).at[by_expert].set(ys).reshape(ep, cap, d)
+
+  back = jax.lax.all_to_all(ys, EXPERT_AXIS, 0, 0)            # back[j] = my rows sent to j
+  rows = back[dest_s, slot] * wts_nk.reshape(-1)[order][:, None].astype(ys.dtype)
+  y = jnp.zeros_like(x_nd).at[token_of].add(rows)
+  per_expert = jax.lax.psum(jnp.bincount(flat, length=e_loc * ep), shd.BATCH_AXES)
+  return y, per_expert
+
+
+def ep_grouped_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid):
+  """Same contract as `moe.grouped_swiglu`, with experts sharded over `expert`.
+
+  Needs a mesh set with `jax.set_mesh` that has the axes of `sharding.MESH_AXES`.
+  Returns (y [n, d], tokens per expert int32 [E]).
+  """
+  tok = P(shd.BATCH_AXES, None)
+  exp = P(EXPERT_AXIS, None, None)
+  fn = jax.shard_map(_local_dispatch, in_specs=(tok, tok, tok, exp, exp, exp),
+                     out_specs=(tok, P()), check_vma=False)
+  return fn(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid)
