@@ -20,7 +20,8 @@ _SCRIPT = textwrap.dedent("""
   ids = jnp.asarray(np.stack([rng.choice(e, k, replace=False, p=[.5] + [.5 / 7] * 7)
                               for _ in range(n)]), jnp.int32)      # skewed: expert 0 hot
   wts = jnp.asarray(rng.random((n, k)), jnp.float32)
-  w = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((e, d, i), (e, d, i), (e, i, d))]
+  w = [jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32)
+       for s in ((e, d, i), (e, d, i), (e, i, d))]
   loss = lambda f: lambda x, *w: jnp.sum(f(x, ids, wts, *w)[0] ** 2)
   ref, ref_counts = moe.grouped_swiglu(x, ids, wts, *w)
   ref_g = jax.grad(loss(moe.grouped_swiglu), range(4))(x, *w)
@@ -32,8 +33,8 @@ _SCRIPT = textwrap.dedent("""
       g = jax.jit(jax.grad(loss(moe_ep.ep_grouped_swiglu), range(4)))(x, *w)
     np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(counts, ref_counts)
-    for a, b in zip(g, ref_g):
-      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    for a, b in zip(g, ref_g):   # float32 sums in another order: atol relative to the scale
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(np.abs(b).max()))
     with jax.set_mesh(shd.make_mesh(sizes)):
       hlo = jax.jit(moe_ep.ep_grouped_swiglu).lower(x, ids, wts, *w).compile().as_text()
     assert "all-to-all" in hlo
