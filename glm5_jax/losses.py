@@ -69,14 +69,24 @@ def chunked_cross_entropy(hidden_btd, head_dv, targets_bt, mask_bt=None, *, chun
   return total / jnp.maximum(n, 1.0), n
 
 
-def next_token_targets(tokens_bt, mask_bt=None, offset: int = 1):
-  """Targets tokens[i + offset] and a mask that is 0 where i + offset >= t."""
+def next_token_targets(tokens_bt, mask_bt=None, offset: int = 1, segment_ids=None):
+  """Targets tokens[i + offset] and a [b, t] float mask of the valid ones.
+
+  A target is valid when i + offset < t, `mask_bt` (if given) is 1 at i + offset,
+  and, for packed rows, token i + offset is in the same non-padding document
+  (`segment_ids`, 0 = padding).
+  """
   b, t = tokens_bt.shape
-  targets = jnp.pad(tokens_bt[:, offset:], ((0, 0), (0, offset)))
-  valid = (jnp.arange(t) < t - offset)[None].astype(jnp.float32)
+  pad = lambda x: jnp.pad(x, ((0, 0), (0, offset)))
+  targets = pad(tokens_bt[:, offset:])
+  valid = jnp.broadcast_to((jnp.arange(t) < t - offset)[None].astype(jnp.float32), (b, t))
   if mask_bt is not None:
-    valid = valid * jnp.pad(mask_bt[:, offset:].astype(jnp.float32), ((0, 0), (0, offset)))
-  return targets, jnp.broadcast_to(valid, (b, t))
+    valid = valid * pad(mask_bt[:, offset:].astype(jnp.float32))
+  if segment_ids is not None:
+    seg = segment_ids
+    same = (seg[:, offset:] == seg[:, :-offset]) & (seg[:, :-offset] != 0)
+    valid = valid * pad(same.astype(jnp.float32))
+  return targets, valid
 
 
 def mtp_loss(mtp_ce_per_step, weight: float):

@@ -30,6 +30,13 @@ def test_next_token_targets_masks_the_tail():
   np.testing.assert_array_equal(m, [[1, 1, 0, 0]])
 
 
+def test_targets_never_cross_a_document_or_padding():
+  seg = jnp.array([[1, 1, 2, 2, 2, 0]])
+  y, m = losses.next_token_targets(jnp.array([[5, 6, 7, 8, 9, 0]]), segment_ids=seg)
+  np.testing.assert_array_equal(y, [[6, 7, 8, 9, 0, 0]])
+  np.testing.assert_array_equal(m, [[1, 0, 1, 1, 0, 0]])
+
+
 def test_mtp_loss_is_lambda_over_d_times_the_sum():
   assert float(losses.mtp_loss([1.0, 2.0, 3.0], 0.3)) == pytest.approx(0.3 / 3 * 6)
 

@@ -60,14 +60,3 @@ def packed_dataset(data_dir: str, split: str, *, seq_len: int, batch_per_process
   lo, hi = process_index * batch_per_process, (process_index + 1) * batch_per_process
   return (packed.map(_rename).batch(batch_per_process * process_count, drop_remainder=True)
           .map(lambda b: {k: v[lo:hi] for k, v in b.items()}))
-
-
-def loss_mask(segment_ids, offset: int = 1):
-  """[b, t] float: 1 where token i + offset exists in the same (non-padding) document."""
-  seg = np.asarray(segment_ids)
-  t = seg.shape[1]
-  m = np.zeros(seg.shape, np.float32)
-  if offset < t:
-    same = (seg[:, offset:] == seg[:, :-offset]) & (seg[:, :-offset] != 0)
-    m[:, : t - offset] = same
-  return m

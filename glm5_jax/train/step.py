@@ -86,13 +86,9 @@ def _false(p):
 
 
 def targets(batch, offset: int):
-  """Next-token targets at `offset` and their mask (same document, not padding)."""
-  tok, seg = batch["tokens"], batch["segment_ids"]
-  t = tok.shape[1]
-  y = jnp.pad(tok[:, offset:], ((0, 0), (0, offset)))
-  same = jnp.pad((seg[:, offset:] == seg[:, :-offset]) & (seg[:, :-offset] != 0),
-                 ((0, 0), (0, offset)))
-  return y, same.astype(jnp.float32) * (jnp.arange(t) < t - offset)[None]
+  """Targets at `offset` and their mask (same document, not padding)."""
+  return losses.next_token_targets(batch["tokens"], offset=offset,
+                                   segment_ids=batch["segment_ids"])
 
 
 def loss_fn(params, batch, *, cfg, stage: str, loss_chunk: int):
