@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import jax
-import numpy as np
 
 from glm5_jax.config import ModelConfig
 
@@ -86,7 +85,3 @@ def report(cfg: ModelConfig, name: str = "") -> tuple[str, dict]:
                f"{kv['gqa8_baseline'] * layers:,} B ({kv['gqa8_baseline'] / kv['glm5_total']:.1f}x)")
   summary = {**tot, "components": counts, "kv_cache_bytes_per_token_per_layer": kv}
   return "\n".join(lines), summary
-
-
-def np_count(tree) -> int:
-  return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(tree)))
