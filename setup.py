@@ -28,5 +28,9 @@ setup(
         "test": ["pytest>=8"],
         # Reference implementation for parity tests and the converter's checks.
         "hf": ["torch==2.13.0", "transformers>=5.24,<6"],
+        # Deviceless compiles of the kernels (experiments/aot_*_kernels.py): libtpu
+        # matching this jax, for TPU topologies described on a CPU host; Triton and its
+        # ptxas, for the GPU kernels at sm_90.
+        "aot": ["jax[tpu]>=0.10.2,<0.11", "triton>=3.9"],
     },
 )

@@ -24,25 +24,15 @@ from absl import app
 from absl import flags
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from experiments import kernel_ops
 from glm5_jax import timing
 from pallas_kernels import lightning_indexer
 from pallas_kernels import roofline
-from pallas_kernels import sparse_attention
-from pallas_kernels.lightning_indexer import kernel as indexer_kernel
-from pallas_kernels.sparse_attention import kernel as sparse_kernel
 
-SHAPES = {
-    # h, d_qk, v_dim, h_i, d_i, topk (GLM-5 spec §1)
-    "glm5": dict(h=64, d_qk=576, v_dim=512, h_i=32, d_i=128, topk=2048),
-    "tiny": dict(h=4, d_qk=24, v_dim=16, h_i=4, d_i=16, topk=16),
-}
-OPS = ("indexer", "sparse_fwd", "sparse_fwd_bwd")
-
-_SHAPE = flags.DEFINE_enum("shape", "tiny", list(SHAPES), "head/dim preset")
+_SHAPE = flags.DEFINE_enum("shape", "tiny", list(kernel_ops.SHAPES), "head/dim preset")
 _LENGTHS = flags.DEFINE_list("lengths", ["64", "128"], "sequence lengths (t = s)")
-_OPS = flags.DEFINE_list("ops", list(OPS), f"subset of {OPS}")
+_OPS = flags.DEFINE_list("ops", list(kernel_ops.OPS), f"subset of {kernel_ops.OPS}")
 _IMPLS = flags.DEFINE_list("impls", ["pallas", "xla"], "implementations to time")
 _BATCH = flags.DEFINE_integer("batch", 1, "batch size")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "activation dtype")
@@ -81,31 +71,6 @@ def _inputs(seed, shape, b, t, dtype):
   return jax.jit(draw)()
 
 
-def _op_fn(op, impl, shape, backend, chunk):
-  """The jit-ed callable timed for (op, impl)."""
-  interpret = jax.default_backend() == "cpu"
-  scale = shape["d_qk"] ** -0.5
-  if op == "indexer":
-    if impl == "pallas":
-      return jax.jit(lambda q, k, w: indexer_kernel.topk_indices(
-          q, k, w, shape["topk"], chunk_size=chunk, interpret=interpret, backend=backend))
-    return jax.jit(lambda q, k, w: lightning_indexer.topk_indices(
-        q, k, w, shape["topk"], chunk_size=chunk, impl=impl))
-  if impl == "pallas":
-    attn = lambda q, kv, idx: sparse_kernel.sparse_mla(
-        q, kv, idx, v_dim=shape["v_dim"], scale=scale, interpret=interpret, backend=backend)
-  else:
-    attn = lambda q, kv, idx: sparse_attention.sparse_mla(
-        q, kv, idx, v_dim=shape["v_dim"], scale=scale, impl=impl, chunk_size=chunk)
-  if op == "sparse_fwd":
-    return jax.jit(attn)
-
-  def fwd_bwd(q, kv, idx):
-    loss = lambda q, kv: jnp.sum(attn(q, kv, idx)[0].astype(jnp.float32))
-    return jax.grad(loss, argnums=(0, 1))(q, kv)
-  return jax.jit(fwd_bwd)
-
-
 def bench(shape, lengths, ops, impls, batch, dtype, repeats, peak_tflops, peak_gbs, chunk,
           backend):
   rows = []
@@ -120,7 +85,7 @@ def bench(shape, lengths, ops, impls, batch, dtype, repeats, peak_tflops, peak_g
       cost = roofline.cost(op, b=batch, t=t, s=t, n_valid=n_valid, dtype=dtype, **shape)
       floor_s = roofline.floor_seconds(cost, peak_tflops, peak_gbs)
       for impl in impls:
-        secs = timing.median_time(_op_fn(op, impl, shape, backend, chunk), *args, repeats=repeats)
+        secs = timing.median_time(kernel_ops.op_fn(op, impl, shape, backend, chunk), *args, repeats=repeats)
         rows.append(dict(op=op, seq_len=t, impl=impl, seconds=secs, gflop=cost.flops / 1e9,
                          mbytes=cost.bytes / 1e6, floor_seconds=floor_s,
                          bound=roofline.bound(cost, peak_tflops, peak_gbs),
@@ -142,9 +107,7 @@ def table(rows) -> str:
 
 def main(argv):
   del argv
-  unknown = set(_OPS.value) - set(OPS)
-  if unknown:
-    raise ValueError(f"--ops: {sorted(unknown)} unknown; expected a subset of {OPS}")
+  kernel_ops.check_ops(_OPS.value)
   dtype = jnp.dtype(_DTYPE.value)
   peak_tflops, peak_gbs = _PEAK_TFLOPS.value, _PEAK_GBS.value
   if not peak_tflops or not peak_gbs:
@@ -152,13 +115,13 @@ def main(argv):
     peak_tflops, peak_gbs = peak_tflops or m_tflops, peak_gbs or m_gbs
   device = jax.devices()[0].device_kind
   print(f"device: {device} ({jax.default_backend()}); peak {peak_tflops:.2f} TFLOP/s, "
-        f"{peak_gbs:.1f} GB/s; shape {_SHAPE.value} {SHAPES[_SHAPE.value]}; dtype {dtype}")
+        f"{peak_gbs:.1f} GB/s; shape {_SHAPE.value} {kernel_ops.SHAPES[_SHAPE.value]}; dtype {dtype}")
   backend = None if _BACKEND.value == "auto" else _BACKEND.value
   if jax.default_backend() == "cpu":
     backend = backend or "gpu"
     print(f"CPU: the pallas impl runs the {backend} kernels in the Pallas interpreter; "
           "its times are not kernel times.")
-  rows = bench(SHAPES[_SHAPE.value], [int(x) for x in _LENGTHS.value], _OPS.value,
+  rows = bench(kernel_ops.SHAPES[_SHAPE.value], [int(x) for x in _LENGTHS.value], _OPS.value,
                _IMPLS.value, _BATCH.value, dtype, _REPEATS.value, peak_tflops, peak_gbs,
                _CHUNK.value, backend)
   print(table(rows))
@@ -166,7 +129,7 @@ def main(argv):
     with open(_OUT.value, "w") as f:
       json.dump(dict(device=device, backend=jax.default_backend(), kernels=backend or "auto",
                      shape=_SHAPE.value,
-                     dims=SHAPES[_SHAPE.value], dtype=str(dtype), peak_tflops=peak_tflops,
+                     dims=kernel_ops.SHAPES[_SHAPE.value], dtype=str(dtype), peak_tflops=peak_tflops,
                      peak_gbs=peak_gbs, rows=rows), f, indent=1)
     print(f"wrote {_OUT.value}")
 

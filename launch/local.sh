@@ -3,10 +3,29 @@
 #   main   the tiny end-to-end job on CPU
 #   test   the default test suite (fast; what CI runs)
 #   slow   the slow tests
+#   aot    run the rest of the line in .venv-aot, a second venv that adds libtpu (and
+#          Triton) so that the kernels compile for TPU / GPU targets on this host
 #   any other arguments: run them inside the venv, e.g. `launch/local.sh python -m experiments.model_summary`
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+if [ "${1:-}" = aot ]; then
+  # libtpu would make every jax import on this host probe for a TPU, so it lives
+  # in its own venv; jax[tpu] pins the libtpu that matches the installed jax.
+  shift
+  if [ ! -x .venv-aot/bin/python ]; then
+    "$PY" -m venv .venv-aot
+  fi
+  . .venv-aot/bin/activate
+  stamp=".venv-aot/.installed-$(cat setup.py launch/local.sh | sha1sum | cut -c1-12)"
+  if [ ! -f "$stamp" ]; then
+    pip install -q --upgrade pip
+    pip install -q -e ".[aot,test]"
+    touch "$stamp"
+  fi
+  export PYTHONUNBUFFERED=1 TPU_SKIP_MDS_QUERY=1
+  exec "$@"
+fi
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
@@ -26,10 +45,10 @@ case "$cmd" in
     python -m experiments.main_job --workdir="${WORKDIR:-workdir/main}" "$@" ;;
   test)
     shift
-    python -m pytest -q -m "not slow" "$@" ;;
+    python -m pytest -q -m "not slow and not aot" "$@" ;;
   slow)
     shift
-    python -m pytest -q -m slow "$@" ;;
+    python -m pytest -q -m "slow and not aot" "$@" ;;
   *)
     exec "$@" ;;
 esac

@@ -3,9 +3,9 @@
 `jax.export(..., platforms=[...])` runs JAX's Pallas lowering for the target
 without hardware: the TPU lowering checks block shapes ((8, 128)-aligned or
 whole) and that every primitive has a Mosaic rule; the Triton lowering checks
-power-of-two tensor sizes and primitive support. What it cannot check is the
-device compiler behind the custom call (Mosaic's layout passes in libtpu,
-Triton's PTX backend); that needs the hardware.
+power-of-two tensor sizes and primitive support. The device compilers behind
+the custom calls (libtpu's Mosaic, Triton's PTX backend) run in
+tests/test_kernels_aot.py, in the `aot` venv.
 
 Shapes are GLM-5's (spec §1): h=64, d_qk=576, v_dim=512, h_i=32, d_i=128,
 topk=2048, at a sequence length of 4096. Nothing runs, so this is fast.
@@ -89,6 +89,32 @@ def test_ragged_shapes_lower(platform):
           jax.ShapeDtypeStruct((1, 1000, H_I), jnp.float32))
   f = lambda q, k, w: lightning_indexer.topk_indices(q, k, w, TOPK, impl="pallas")
   assert _kernel_calls(_export(f, [platform], *args), platform) == ["lightning_indexer_scores"]
+
+
+def _tpu_call_types(module: str):
+  """Shapes of every operand and result of the TPU kernels' custom calls in `module`."""
+  shapes = []
+  for line in module.splitlines():
+    if "custom_call @tpu_custom_call" in line:
+      shapes += [tuple(int(x) for x in m.split("x")[:-1])
+                 for m in re.findall(r"tensor<([0-9x]+x[a-z]+[0-9]+)>", line)]
+  return shapes
+
+
+def test_tpu_kernel_operands_tile_without_padding():
+  # XLA:TPU tiles the two minor dims of an HBM array by (8, 128): an operand shaped
+  # [..., n, 1] (a per-head lse column, a per-slot index column) is stored 128 lanes
+  # wide, 128x its bytes; at 32K context such columns made the backward need 45 GiB of
+  # temporaries (experiments/aot_tpu_kernels.py). Every large operand must have a
+  # minor dim > 1.
+  module = _export(_mla_forward_and_backward, ["tpu"], *_mla_args(SEQ))
+  shapes = _tpu_call_types(module)
+  assert shapes
+  for shape in shapes:
+    size = 1
+    for n in shape:
+      size *= n
+    assert shape[-1] > 1 or size <= 1024, shape
 
 
 def test_platform_picks_the_kernel():

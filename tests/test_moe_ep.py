@@ -3,12 +3,9 @@
 Runs in a subprocess with 8 fake CPU devices (the device count is fixed at jax import).
 """
 
-import os
-import subprocess
-import sys
 import textwrap
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import fake_devices
 
 _SCRIPT = textwrap.dedent("""
   import jax, jax.numpy as jnp, numpy as np
@@ -45,7 +42,4 @@ _SCRIPT = textwrap.dedent("""
 
 
 def test_all_to_all_dispatch_equals_grouped_matmuls_with_gradients():
-  env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  p = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env, capture_output=True,
-                     text=True, timeout=600)
-  assert p.returncode == 0 and p.stdout.strip().endswith("OK"), p.stderr[-3000:]
+  fake_devices.run_script(_SCRIPT, devices=8)

@@ -30,12 +30,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from glm5_jax.nn import dsa_kernels
 from glm5_jax.nn import indexer as indexer_lib
 from glm5_jax.nn import mla as mla_lib
 from glm5_jax.nn import moe as moe_lib
 from glm5_jax.nn import norms
 from glm5_jax.nn import rope
-from pallas_kernels import sparse_attention
 from pallas_kernels.lightning_indexer import reference as indexer_ref
 
 ATTENTION_FORMS = ("absorbed", "expanded")
@@ -163,7 +163,7 @@ def attention(cfg, p, x_btd, cos, sin, cache, chunk: Chunk, prev_idx, form: str)
     o = mla_lib.mla_absorbed_attention(q_nope, q_rope, kv[..., :c], kv[..., c:], w_uk, w_uv,
                                        mask_bts, cfg.softmax_scale)
   elif form == "absorbed":
-    u, _ = sparse_attention.sparse_mla(
+    u, _ = dsa_kernels.sparse_mla(
         mla_lib.absorb_query(q_nope, q_rope, w_uk), kv, indices, v_dim=c,
         scale=cfg.softmax_scale, impl=cfg.attention_impl,
         interpret=jax.default_backend() == "cpu", chunk_size=cfg.attention_chunk_size)

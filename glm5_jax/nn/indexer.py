@@ -23,10 +23,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from glm5_jax.nn import dsa_kernels
 from glm5_jax.nn import norms
 from glm5_jax.nn import params as P
 from glm5_jax.nn import rope
-from pallas_kernels import lightning_indexer
 
 
 class Indexer(nn.Module):
@@ -64,7 +64,7 @@ def select_topk(cfg, q, k, w, doc_start=None):
   doc_start [b, t]: first key of each query's document (packed rows); keys of
   other documents are never selected.
   """
-  return lightning_indexer.topk_indices(
+  return dsa_kernels.topk_indices(
       q, k, w, cfg.index_topk, impl=cfg.attention_impl,
       interpret=jax.default_backend() == "cpu", chunk_size=cfg.attention_chunk_size,
       start=doc_start)

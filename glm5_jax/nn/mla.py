@@ -24,11 +24,11 @@ import jax
 import jax.numpy as jnp
 
 from glm5_jax import losses
+from glm5_jax.nn import dsa_kernels
 from glm5_jax.nn import indexer as indexer_lib
 from glm5_jax.nn import norms
 from glm5_jax.nn import params as P
 from glm5_jax.nn import rope
-from pallas_kernels import sparse_attention
 
 
 def causal_mask(t: int, s: int):
@@ -85,7 +85,7 @@ def mla_sparse_attention(cfg, q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, indices_
   """DSA: absorbed MLA over the gathered top-k latent rows. Returns o [b, t, h, v]."""
   q_abs = absorb_query(q_nope, q_rope, w_uk)
   kv = jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], axis=-1)
-  u, _ = sparse_attention.sparse_mla(
+  u, _ = dsa_kernels.sparse_mla(
       q_abs, kv, indices_btk, v_dim=cfg.kv_lora_rank, scale=cfg.softmax_scale,
       impl=cfg.attention_impl, interpret=jax.default_backend() == "cpu",
       chunk_size=cfg.attention_chunk_size)

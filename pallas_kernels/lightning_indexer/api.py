@@ -23,7 +23,7 @@ def _check_shapes(q, k, w, topk):
 
 
 def topk_indices(q, k, w, topk: int, *, impl: str = "xla", interpret: bool = False,
-                 chunk_size: int = 512, start=None):
+                 chunk_size: int = 512, start=None, backend: str | None = None):
   """Top-k key positions per query by lightning-indexer score.
 
   Args:
@@ -36,6 +36,8 @@ def topk_indices(q, k, w, topk: int, *, impl: str = "xla", interpret: bool = Fal
     chunk_size: queries scored at once (both paths); peak memory O(b * chunk * s).
     start: optional int32 [b, t], the first key each query may see (packed
       documents: its document's start). Keys before it are never selected.
+    backend: for "pallas", the kernel lowering: "tpu", "gpu", or None = the
+      platform's (see `pallas_kernels._backend`).
 
   Returns:
     int32 [b, t, topk]: for query i (absolute position s - t + i) the keys
@@ -50,7 +52,7 @@ def topk_indices(q, k, w, topk: int, *, impl: str = "xla", interpret: bool = Fal
   if impl == "pallas":
     from pallas_kernels.lightning_indexer import kernel  # pylint: disable=g-import-not-at-top
     return kernel.topk_indices(q, k, w, topk, start=start, interpret=interpret,
-                               chunk_size=chunk_size)
+                               chunk_size=chunk_size, backend=backend)
   raise ValueError(f"topk_indices: impl={impl!r}, expected one of {IMPLS}")
 
 

@@ -103,9 +103,12 @@ def topk_indices(q, k, w, topk: int, *, start=None, interpret=False,
       hardware; defaults 128, 512). GPU: powers of two >= 16 (defaults 32, 64).
 
   Returns:
-    int32 [b, t, topk], as `reference.topk_indices_reference`.
+    int32 [b, t, topk], as `reference.topk_indices_reference`. The selection
+    has no gradient; q, k and w are cut from autodiff here (a pallas_call has
+    no JVP rule, and the model differentiates through the layer that calls this).
   """
   _backend.check_backend(backend, "topk_indices")
+  q, k, w = jax.lax.stop_gradient((q, k, w))
   if chunk_size < 1:
     raise ValueError(f"topk_indices: chunk_size={chunk_size}, expected a positive int")
   b, t = q.shape[:2]

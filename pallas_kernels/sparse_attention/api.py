@@ -19,7 +19,7 @@ def _check_shapes(q, kv, indices, v_dim):
 
 
 def sparse_mla(q, kv, indices, *, v_dim: int, scale: float, impl: str = "xla",
-               interpret: bool = False, chunk_size: int = 256):
+               interpret: bool = False, chunk_size: int = 256, backend: str | None = None):
   """Attention of absorbed MLA queries over their selected cache rows.
 
   Args:
@@ -31,6 +31,8 @@ def sparse_mla(q, kv, indices, *, v_dim: int, scale: float, impl: str = "xla",
     impl: "xla" (chunked jnp gather) or "pallas" (TPU / GPU kernel).
     interpret: run the Pallas kernel in interpret mode (CPU tests).
     chunk_size: query chunk of the "xla" path.
+    backend: for "pallas", the kernel lowering: "tpu", "gpu", or None = the
+      platform's (see `pallas_kernels._backend`).
 
   Returns:
     out [b, t, h, v_dim], lse [b, t, h] float32; rows with no valid index give
@@ -42,5 +44,6 @@ def sparse_mla(q, kv, indices, *, v_dim: int, scale: float, impl: str = "xla",
                                           chunk_size=chunk_size)
   if impl == "pallas":
     from pallas_kernels.sparse_attention import kernel  # pylint: disable=g-import-not-at-top
-    return kernel.sparse_mla(q, kv, indices, v_dim=v_dim, scale=scale, interpret=interpret)
+    return kernel.sparse_mla(q, kv, indices, v_dim=v_dim, scale=scale, interpret=interpret,
+                             backend=backend)
   raise ValueError(f"sparse_mla: impl={impl!r}, expected one of {IMPLS}")

@@ -21,17 +21,49 @@ dimension; a `fori_loop` over the n_live blocks of bk slots gathers the rows,
   s = q_v . rows_v^T + q_tail . rows_tail^T          [hp, bk]
 and runs the online softmax (m, l, acc [hp, v]) in registers.
 
-Backward, grid (b, t): recomputes p from the saved lse; dq accumulates in
-registers; the dkv contribution of each slot,
-  ds^T . q * scale + [p^T . do | 0]                   [bk, d]
-is added into a float32 [b, s + 1, d] buffer with atomic adds (row s takes the
-empty slots, so no mask is needed and no real row is touched by them).
-Atomic float adds make dkv's rounding order, and so its last bits, vary run to
-run; dq and the forward are deterministic.
+Backward, grid (b, t), one program per query, no recomputation beyond p:
+  [q_v; do]                [2hp, v]   stacked by the caller (`stack_q_do`), loaded once
+  [s_v; dp] = [q_v; do] . rows_v^T     [2hp, bk]  one M = 2hp matmul chain
+  s = s_v + q_tail . rows_tail^T;  p = exp(s * scale - lse);  ds = p (dp - delta) scale
+  dq += ds . rows                      [hp, d]    float32, in registers
+  dkv^T[cols] += [q_v; do]^T[cols] . [ds; p]     [128, bk] tiles; tail q_tail^T . ds
+Each dkv^T tile goes to a float32 [b, s + 1, d] buffer with one relaxed atomic add (row s
+takes the empty slots, so no mask is needed and no real row is touched by them).
 
-Interpret mode caveat (jax 0.10.2): the interpreter's `atomic_add` applies an
-index that occurs twice in one call once, so duplicate indices inside one block
-lose an update in interpret mode only; on a GPU the atomics add both.
+Resources at GLM-5 shapes (h = 64, d = 576, v = 512, bk = 64, bf16; Triton 3.9 + ptxas
+for sm_90a, `experiments/aot_gpu_kernels.py`): 221,184 B of shared memory (limit
+232,448), 255 registers, 304 B of spill stores. Shared memory holds [q_v; do] (128 KiB),
+q_tail (8 KiB) and one block of gathered rows (72 KiB); the dkv tiles' layout-conversion
+scratch reuses the rows' space, because the dq matmuls (the rows' last use) come first.
+The dq accumulator takes 144 of the 255 registers per thread (8 warps).
+- num_stages = 1: a second stage of gathered rows (+72 KiB) does not fit next to the
+  resident [q_v; do], so each block's gather is not overlapped with the previous block's
+  math. bk = 32 at 2 stages needs 241,792 B; bk = 16 at 2 stages fits (190,528 B, 36 B
+  spills) but makes N = 16 the width of the s / dp / dkv matmuls (HGMMA 64x16x16), whose
+  shared-memory operand reads then cost about 2x the bk = 64 matmul time (estimate).
+- Stacking q_v over do makes s_v and dp one matmul (its shared A operand read once, not
+  twice) and dkv's value part one matmul per 128 columns; with separate q_v and do tiles
+  the same loop spilled 0.7-2.8 KB. No [bk, v] float32 dkv tile exists (the previous
+  kernel converted one through 128 KiB of shared memory: 516,352 B in all, 5.4 KB spills).
+- Cost: the same FLOPs, gathers and atomics as the fused maths needs; the extra traffic is
+  the caller's concatenation, 2 hp v (2 + 2) B per query read + written (256 KiB at GLM-5,
+  ~1 GiB per 4096-query sequence), against 2.4 MB gathered and 4.7 MB atomically added per
+  query. Not chosen: separate dq and dkv kernels (1.4x FLOPs, 2x gathers; still spilled
+  1.4-2.8 KB and needed 1 stage); two head groups per query (2x gathers and atomics,
+  M = 32 matmuls without wgmma; not built).
+None of this is timed: no GPU was available; the numbers above are compiler output.
+
+`pltr.atomic_add` lowers to an acquire-release atomic, i.e. a `MEMBAR.ALL.GPU` fence before
+every 16-byte atomic (36 per block of 64 slots here); dkv needs atomicity only, so the
+kernel uses `atomic_add_relaxed` (`_relaxed_atomic.py`: `REDG`, no fence), the same op with
+relaxed ordering.
+Float atomics make dkv's rounding order, and so its last bits, vary run to run; dq and the
+forward are deterministic.
+
+Interpret mode caveat (jax 0.10.2): the interpreter's atomic add (`atomic_add_relaxed`
+uses jax's own discharge rule) applies an index that occurs twice in one call once, so
+duplicate indices inside one block lose an update in interpret mode only; on a GPU the
+atomics add both.
 """
 
 from __future__ import annotations
@@ -45,9 +77,20 @@ from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels import _backend
 
+try:  # built on private jax modules (written against jax 0.10.2)
+  from pallas_kernels.sparse_attention._relaxed_atomic import atomic_add_relaxed
+except (ImportError, AttributeError) as _e:  # jax internals moved: correct, but fenced
+  from absl import logging
+  logging.warning("sparse_attention.gpu: relaxed atomic add unavailable (%s); the backward "
+                  "uses pltr.atomic_add, which fences every atomic", _e)
+  atomic_add_relaxed = pltr.atomic_add
+
 DEFAULT_BLOCK_K = 64      # slots per loop step
 MIN_DIM = 16              # tl.dot needs M, N, K >= 16
 NUM_WARPS = 8
+FWD_STAGES = 2            # software pipelining of the forward's gathers
+BWD_STAGES = 1            # the backward's resident [q_v; do] leaves no room for a 2nd stage
+BWD_CHUNK = 128           # value columns per backward dkv tile (and dq accumulator)
 
 
 def _nt_dot(a, b, precision):
@@ -172,7 +215,7 @@ def sparse_mla_fwd(q, kv, idx_btk, nlive_bt1, *, v_dim, scale, block_k, interpre
                  pl.BlockSpec((None, None, hp), lambda i, j: (i, j, 0))],
       out_shape=[jax.ShapeDtypeStruct((b, t, hp, vp), q.dtype),
                  jax.ShapeDtypeStruct((b, t, hp), jnp.float32)],
-      compiler_params=pltr.CompilerParams(num_warps=NUM_WARPS, num_stages=2),
+      compiler_params=pltr.CompilerParams(num_warps=NUM_WARPS, num_stages=FWD_STAGES),
       interpret=_backend.gpu_interpret(interpret),
       name="sparse_mla_fwd",
   )(nlive_bt1, idx_btk, q, kv)
@@ -181,41 +224,80 @@ def sparse_mla_fwd(q, kv, idx_btk, nlive_bt1, *, v_dim, scale, block_k, interpre
 # -------------------------------------------------------------------------- backward
 
 
-def _bwd_kernel(nlive_ref, idx_ref, q_ref, kv_ref, do_ref, lse_ref, delta_ref, dkv_in_ref,
-                dq_ref, dkv_ref, *, scale, vp, tp, block_k, trash_row, precision):
+def stack_q_do(q, do, vp: int):
+  """[q_v; do]: the value columns of q over the output cotangent, [b, t, 2 hp, vp]."""
+  return jnp.concatenate([q[..., :vp], do.astype(q.dtype)], axis=2)
+
+
+def _stack_rows(a, b):
+  """[n, m], [n, m] -> [a; b] [2n, m] (Triton has no general concatenate)."""
+  n, m = a.shape
+  return jnp.transpose(jnp.stack([a, b], axis=-1), (2, 0, 1)).reshape(2 * n, m)
+
+
+def _dot_sum(dots):
+  acc = dots[0]
+  for d in dots[1:]:
+    acc = acc + d                  # Triton folds the add into the next dot's accumulator
+  return acc
+
+
+def _bwd_scores(qdo, q_t, kv_v, kv_t, precision):
+  """s (value + tail part, unscaled) and dp, [hp, bk] each, from one M = 2hp matmul chain."""
+  s, dp_ = jnp.split(_dot_sum([_nt_dot(a, r, precision) for a, r in zip(qdo, kv_v)]), 2,
+                     axis=0)                       # [q_v; do] . rows_v^T = [s_v; dp]
+  if q_t is not None:
+    s = s + _nt_dot(q_t, kv_t, precision)
+  return s, dp_
+
+
+def _bwd_dkv(dkv_ref, qdo, q_t, ds, p, dest, *, vp, precision):
+  """Adds dkv[dest] += [ds^T . q | 0] + [p^T . do | 0], as transposed [chunk, bk] tiles.
+
+  qdo: [2hp, chunk] tiles of [q_v; do]; ds, p: [hp, bk] (scale in ds); dest: [1, bk].
+  """
+  chunk, bk = qdo[0].shape[1], ds.shape[1]
+  col = jax.lax.broadcasted_iota(jnp.int32, (chunk, bk), 0)
+  dsp = _stack_rows(ds, p.astype(ds.dtype))                         # [2hp, bk]
+  for i, a in enumerate(qdo):                                        # [chunk, bk] = a^T . dsp
+    atomic_add_relaxed(dkv_ref, (jnp.broadcast_to(dest, (chunk, bk)), col + i * chunk),
+                       _tn_dot(a, dsp, precision))
+  if q_t is not None:
+    tp = q_t.shape[1]
+    col_t = jax.lax.broadcasted_iota(jnp.int32, (tp, bk), 0) + vp
+    atomic_add_relaxed(dkv_ref, (jnp.broadcast_to(dest, (tp, bk)), col_t),
+                       _tn_dot(q_t, ds, precision))                 # [tp, bk]
+
+
+def _bwd_kernel(nlive_ref, idx_ref, qdo_ref, q_ref, kv_ref, lse_ref, delta_ref, dkv_in_ref,
+                dq_ref, dkv_ref, *, scale, vp, tp, chunk, block_k, trash_row, precision):
   del dkv_in_ref  # aliased with dkv_ref
   hp = q_ref.shape[0]
-  do = do_ref[...]                                   # [hp, vp]
+  cols = [pl.ds(c, chunk) for c in range(0, vp, chunk)] + ([pl.ds(vp, tp)] if tp else [])
+  qdo = [qdo_ref[:, c] for c in cols[:vp // chunk]]  # [2hp, chunk] each, loaded once
+  q_t = q_ref[:, cols[-1]] if tp else None           # [hp, tp]
   lse = lse_ref[...]                                 # [hp]
   delta = delta_ref[...]                             # [hp]
-  cols_v = jax.lax.broadcasted_iota(jnp.int32, (block_k, vp), 1)
-  cols_t = jax.lax.broadcasted_iota(jnp.int32, (block_k, tp), 1) + vp if tp else None
 
-  def body(kb, carry):
-    dq_v_acc, dq_t_acc = carry
+  def body(kb, dq):
     idx_k = idx_ref[pl.ds(kb * block_k, block_k)]
     valid = idx_k >= 0
     safe_k = jnp.where(valid, idx_k, 0)
-    s, rows_v, rows_t = _scores(q_ref, kv_ref, safe_k, vp, tp, scale, precision)
-    p = jnp.where(valid[None, :], jnp.exp(s - lse[:, None]), 0.0)     # [hp, bk]
-    dp_ = _nt_dot(do, rows_v, precision)                               # [hp, bk]
-    ds = (p * (dp_ - delta[:, None])).astype(q_ref.dtype)
-    dq_v_acc += _nn_dot(ds, rows_v, precision) * scale
-    dkv_v = (_tn_dot(ds, q_ref[:, pl.ds(0, vp)], precision) * scale
-             + _tn_dot(p.astype(do.dtype), do, precision))            # [bk, vp]
-    dest = jnp.where(valid, idx_k, trash_row)[:, None]
-    pltr.atomic_add(dkv_ref, (jnp.broadcast_to(dest, (block_k, vp)), cols_v), dkv_v)
-    if tp:
-      dq_t_acc += _nn_dot(ds, rows_t, precision) * scale
-      dkv_t = _tn_dot(ds, q_ref[:, pl.ds(vp, tp)], precision) * scale
-      pltr.atomic_add(dkv_ref, (jnp.broadcast_to(dest, (block_k, tp)), cols_t), dkv_t)
-    return dq_v_acc, dq_t_acc
+    rows = [kv_ref[safe_k, c] for c in cols]                         # [bk, chunk | tp]
+    s, dp_ = _bwd_scores(qdo, q_t, rows[:len(qdo)], rows[-1] if tp else None, precision)
+    p = jnp.where(valid[None, :], jnp.exp(s * scale - lse[:, None]), 0.0)   # [hp, bk]
+    ds = (p * (dp_ - delta[:, None]) * scale).astype(qdo_ref.dtype)         # scale folded in
+    # dq first: after the rows' last use, the dkv tiles reuse their shared memory (the
+    # other order needs 32 KiB more, 253,952 B at GLM-5 shapes).
+    dq = tuple(acc + _nn_dot(ds, r, precision) for acc, r in zip(dq, rows))
+    dest = jnp.where(valid, idx_k, trash_row)[None, :]                      # [1, bk]
+    _bwd_dkv(dkv_ref, qdo, q_t, ds, p, dest, vp=vp, precision=precision)
+    return dq
 
-  init = (jnp.zeros((hp, vp), jnp.float32), jnp.zeros((hp, max(tp, 1)), jnp.float32))
-  dq_v, dq_t = jax.lax.fori_loop(0, nlive_ref[0], body, init)
-  dq_ref[:, pl.ds(0, vp)] = dq_v.astype(dq_ref.dtype)
-  if tp:
-    dq_ref[:, pl.ds(vp, tp)] = dq_t.astype(dq_ref.dtype)
+  init = tuple(jnp.zeros((hp, c.size), jnp.float32) for c in cols)
+  dq = jax.lax.fori_loop(0, nlive_ref[0], body, init)               # [hp, chunk | tp] each
+  for c, acc in zip(cols, dq):
+    dq_ref[:, c] = acc.astype(dq_ref.dtype)
 
 
 def sparse_mla_bwd(q, kv, idx_btk, nlive_bt1, do, lse_bth, delta_bth, *, v_dim, scale,
@@ -226,6 +308,7 @@ def sparse_mla_bwd(q, kv, idx_btk, nlive_bt1, do, lse_bth, delta_bth, *, v_dim, 
     q, kv, idx_btk, nlive_bt1: as in `sparse_mla_fwd`.
     do: [b, t, hp, vp] output cotangent (zero-padded).
     lse_bth, delta_bth: [b, t, hp] float32; delta = sum(do * out) - dlse.
+    block_k: bk, a power of two >= 16 (GLM-5 shapes fit the shared memory up to 64).
 
   Returns:
     dq [b, t, hp, vp + tp] (q.dtype), dkv [b, s, vp + tp] float32.
@@ -235,8 +318,10 @@ def sparse_mla_bwd(q, kv, idx_btk, nlive_bt1, do, lse_bth, delta_bth, *, v_dim, 
   k_pad = idx_btk.shape[-1]
   vp = _backend.next_pow2(v_dim, MIN_DIM)
   tp = dp - vp
-  kernel = functools.partial(_bwd_kernel, scale=scale, vp=vp, tp=tp, block_k=block_k,
-                             trash_row=s, precision=_backend.dot_precision(q.dtype))
+  qdo = stack_q_do(q, do, vp)
+  kernel = functools.partial(_bwd_kernel, scale=scale, vp=vp, tp=tp,
+                             chunk=min(BWD_CHUNK, vp), block_k=block_k, trash_row=s,
+                             precision=_backend.dot_precision(q.dtype))
   dkv0 = jnp.zeros((b, s + 1, dp), jnp.float32)
   dq, dkv = pl.pallas_call(
       kernel,
@@ -244,9 +329,9 @@ def sparse_mla_bwd(q, kv, idx_btk, nlive_bt1, do, lse_bth, delta_bth, *, v_dim, 
       in_specs=[
           pl.BlockSpec((None, None, 1), lambda i, j: (i, j, 0)),
           pl.BlockSpec((None, None, k_pad), lambda i, j: (i, j, 0)),
+          pl.BlockSpec((None, None, 2 * hp, vp), lambda i, j: (i, j, 0, 0)),
           pl.BlockSpec((None, None, hp, dp), lambda i, j: (i, j, 0, 0)),
           pl.BlockSpec((None, s, dp), lambda i, j: (i, 0, 0)),
-          pl.BlockSpec((None, None, hp, vp), lambda i, j: (i, j, 0, 0)),
           pl.BlockSpec((None, None, hp), lambda i, j: (i, j, 0)),
           pl.BlockSpec((None, None, hp), lambda i, j: (i, j, 0)),
           pl.BlockSpec((None, s + 1, dp), lambda i, j: (i, 0, 0)),
@@ -256,8 +341,8 @@ def sparse_mla_bwd(q, kv, idx_btk, nlive_bt1, do, lse_bth, delta_bth, *, v_dim, 
       out_shape=[jax.ShapeDtypeStruct((b, t, hp, dp), q.dtype),
                  jax.ShapeDtypeStruct((b, s + 1, dp), jnp.float32)],
       input_output_aliases={7: 1},
-      compiler_params=pltr.CompilerParams(num_warps=NUM_WARPS, num_stages=2),
+      compiler_params=pltr.CompilerParams(num_warps=NUM_WARPS, num_stages=BWD_STAGES),
       interpret=_backend.gpu_interpret(interpret),
       name="sparse_mla_bwd",
-  )(nlive_bt1, idx_btk, q, kv, do, lse_bth, delta_bth, dkv0)
+  )(nlive_bt1, idx_btk, qdo, q, kv, lse_bth, delta_bth, dkv0)
   return dq, dkv[:, :s]

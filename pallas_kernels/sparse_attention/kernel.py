@@ -58,25 +58,19 @@ def _blocked_indices(indices, block_k: int):
 def _tpu_fwd(v_dim, scale, interpret, block_k, q, kv, indices):
   b, t, k = indices.shape
   bk = _block_k("tpu", k, block_k)
-  idx, n_live = _blocked_indices(indices, bk)
-  q_p, kv_p = tpu.prepare_operands(q, kv)
-  out, lse = tpu.sparse_mla_fwd(q_p, kv_p, idx.reshape(b, t, -1, bk),
-                                n_live.reshape(b, t, 1, 1), v_dim=v_dim, scale=scale,
-                                interpret=interpret)
-  return out, lse[..., 0]
+  idx, _ = _blocked_indices(indices, bk)
+  out, lse = tpu.sparse_mla_fwd(q, tpu.prepare_kv(kv), idx.reshape(b, t, -1, bk),
+                                v_dim=v_dim, scale=scale, interpret=interpret)
+  return out, lse[:, :, 0]
 
 
 def _tpu_bwd(v_dim, scale, interpret, block_k, q, kv, indices, do, lse, delta):
   b, t, k = indices.shape
-  d = q.shape[-1]
   bk = _block_k("tpu", k, block_k)
-  idx, n_live = _blocked_indices(indices, bk)
-  q_p, kv_p = tpu.prepare_operands(q, kv)
-  do_p = _backend.pad_to(do, 3, q_p.shape[-1])
-  dq, dkv = tpu.sparse_mla_bwd(q_p, kv_p, idx.reshape(b, t, -1, bk),
-                               n_live.reshape(b, t, 1, 1), do_p, lse[..., None],
-                               delta[..., None], scale=scale, interpret=interpret)
-  return dq[..., :d], dkv[..., :d]
+  idx, _ = _blocked_indices(indices, bk)
+  return tpu.sparse_mla_bwd(q, tpu.prepare_kv(kv), idx.reshape(b, t, -1, bk), do,
+                            lse[:, :, None], delta[:, :, None], v_dim=v_dim, scale=scale,
+                            interpret=interpret)
 
 
 def _gpu_fwd(v_dim, scale, interpret, block_k, q, kv, indices):

@@ -13,16 +13,24 @@ which would not fit SMEM at 32K x 2048), and each selected row is copied into
 VMEM by its own DMA (`pltpu.make_async_copy`). The rows of block kb+1 are
 fetched while block kb is computed (two VMEM slots, one DMA semaphore each).
 Empty slots (-1) fetch row 0 and are masked; blocks past the last valid slot
-of a query (`n_live`, computed by the caller) are neither fetched nor computed.
+of a query (`n_live`) are neither fetched nor computed.
 
-Row layout (`prepare_operands`): a one-row DMA lands at any sublane offset of a
-32-bit VMEM buffer, but not inside a packed bfloat16 tile (16 rows per tile),
-and DMA rows want a lane width that is a multiple of 128. The cache is
-therefore gathered as float32 rows of width d padded to a multiple of 128
-(GLM-5: 576 -> 640; zero columns change no dot product) and cast back to the
-query dtype in VMEM before the matmuls, which is exact. This costs 2.2x the
-bytes of a bfloat16 row; packing bfloat16 pairs into uint32 lanes would cut it
-to 1.33x and is the next step once a TPU can measure it.
+Row layout (`prepare_kv`): a one-row DMA lands at any sublane offset of a
+32-bit VMEM buffer, but not inside a packed bfloat16 tile (16 rows per tile).
+The cache is therefore gathered as float32 rows and cast back to the query
+dtype in VMEM before the matmuls, which is exact; this costs 2x the bytes of a
+bfloat16 row (packing bfloat16 pairs into uint32 lanes would remove that and is
+the next step once a TPU can measure it). q, do and dq keep their own dtype and
+width (d = 576 is a whole-dimension block; no padded copies in HBM).
+
+HBM layout: every per-query operand is shaped so that its two minor dimensions
+tile without padding. lse and delta travel as [b, t, 1, h] rows, not [b, t, h, 1]
+columns (a trailing 1 is padded to 128 lanes: 128x the bytes, 1 GiB per layer at
+32K); the kernels turn the row into the [h, 1] column they need with an on-chip
+transpose. The number of live slot blocks is computed in the kernel from the
+query's index block, and the duplicate-row matrix of the backward from the
+index row and its transpose. `experiments/aot_tpu_kernels.py` checks these HBM
+sizes with libtpu's compiler.
 
 Forward, grid (b, t, n_kb), one query per (b, t) with its h heads as the
 matmul M dimension (one gathered 576-wide row serves all heads):
@@ -35,7 +43,7 @@ Backward, grid (b, t, n_kb), flash-attention backward with the saved lse
   p  = exp(s - lse)            dp = do . rows[:, :v]^T
   ds = p * (dp - delta)        delta = sum(do * out) - dlse
   dq   += ds . rows * scale                        (VMEM accumulator)
-  dkv[idx] += ds^T . q * scale + p^T . [do | 0]     (accumulate by DMA)
+  dkv[idx] += ds^T . q * scale, dkv[idx, :v] += p^T . do   (accumulate by DMA)
 dkv is a float32 [b, s, d] buffer in HBM, aliased input -> output. Per block
 the kernel DMAs the selected dkv rows into VMEM, adds, and DMAs them back,
 waiting for the writes before the next read; the t and kb grid axes are
@@ -86,9 +94,21 @@ def _row_copy(src_hbm, bi, row, dst_vmem, r, sem):
   return pltpu.make_async_copy(src_hbm.at[bi, pl.ds(row, 1)], dst_vmem.at[pl.ds(r, 1)], sem)
 
 
-def prepare_operands(q, kv):
-  """q [b,t,h,dp] (q.dtype) and kv [b,s,dp] float32, dp = d rounded up to 128 (see above)."""
-  return _backend.pad_to(q, 3, 128), _backend.pad_to(kv.astype(jnp.float32), 2, 128)
+def prepare_kv(kv):
+  """kv [b, s, d] as float32 rows (see the module docstring)."""
+  return kv.astype(jnp.float32)
+
+
+def _live_blocks(idx_vmem):
+  """Blocks up to the query's last valid slot, from its [n_kb, bk] index block."""
+  idx = idx_vmem[...]
+  block = jax.lax.broadcasted_iota(jnp.int32, idx.shape, 0) + 1
+  return jnp.max(jnp.where(idx >= 0, block, 0))
+
+
+def _row_to_column(x_1h):
+  """[1, h] -> [h, 1] through an on-chip transpose (Mosaic transposes 2-D tiles)."""
+  return jnp.broadcast_to(x_1h, (_LANES, x_1h.shape[1])).T[:, :1]
 
 
 def _gather_rows(idx_smem, kb, kv_hbm, bi, buf, slot, sem, *, start: bool):
@@ -110,11 +130,11 @@ def _gather_rows(idx_smem, kb, kv_hbm, bi, buf, slot, sem, *, start: bool):
 # --------------------------------------------------------------------------- forward
 
 
-def _fwd_kernel(nlive_smem, idx_smem, idx_vmem, q_ref, kv_hbm, out_ref, lse_ref,
+def _fwd_kernel(idx_smem, idx_vmem, q_ref, kv_hbm, out_ref, lse_ref,
                 rows_buf, sem, m_ref, l_ref, acc_ref, *, scale, v_dim, precision):
   bi, kb = pl.program_id(0), pl.program_id(2)
   n_kb = pl.num_programs(2)
-  n_live = nlive_smem[0, 0]
+  n_live = _live_blocks(idx_vmem)
   slot = jax.lax.rem(kb, 2)
 
   @pl.when(kb == 0)
@@ -154,22 +174,23 @@ def _fwd_kernel(nlive_smem, idx_smem, idx_vmem, q_ref, kv_hbm, out_ref, lse_ref,
     has = l > 0.0
     inv = jnp.where(has, 1.0 / jnp.where(has, l, 1.0), 0.0)
     out_ref[...] = (acc_ref[...] * inv).astype(out_ref.dtype)
-    lse_ref[...] = jnp.where(has, m_ref[:, :1] + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
+    l_all, has_all = l_ref[...], l_ref[...] > 0.0                 # [h, 128], lanes equal
+    lse = jnp.where(has_all, m_ref[...] + jnp.log(jnp.where(has_all, l_all, 1.0)), -jnp.inf)
+    lse_ref[...] = lse.T[:1, :]                                # [1, h]
 
 
-def sparse_mla_fwd(q, kv, idx_bgnk, nlive_bt11, *, v_dim, scale, interpret=False):
+def sparse_mla_fwd(q, kv, idx_bgnk, *, v_dim, scale, interpret=False):
   """Forward kernel.
 
   Args:
-    q: [b, t, h, d] queries; d a multiple of 128 on hardware (`prepare_operands`).
-    kv: [b, s, d] float32 cache rows (left in HBM).
+    q: [b, t, h, d] queries.
+    kv: [b, s, d] float32 cache rows (`prepare_kv`; left in HBM).
     idx_bgnk: [b, t, n_kb, bk] int32 slot indices, -1 = empty.
-    nlive_bt11: [b, t, 1, 1] int32, blocks up to the last valid slot.
     v_dim, scale: as in `reference.sparse_mla_reference`.
     interpret: False, True or a `pltpu.InterpretParams`.
 
   Returns:
-    out [b, t, h, v] (q.dtype), lse [b, t, h, 1] float32.
+    out [b, t, h, v] (q.dtype), lse [b, t, 1, h] float32.
   """
   b, t, h, d = q.shape
   _, _, n_kb, block_k = idx_bgnk.shape
@@ -180,17 +201,15 @@ def sparse_mla_fwd(q, kv, idx_bgnk, nlive_bt11, *, v_dim, scale, interpret=False
       kernel,
       grid=(b, t, n_kb),
       in_specs=[
-          pl.BlockSpec((None, None, 1, 1), lambda i, j, k: (i, j, 0, 0),
-                       memory_space=pltpu.SMEM),
           pl.BlockSpec((None, None, n_kb, block_k), lambda i, j, k: (i, j, 0, 0),
                        memory_space=pltpu.SMEM),
           per_query((n_kb, block_k)),
           per_query((h, d)),
           pl.BlockSpec(memory_space=pl.ANY),
       ],
-      out_specs=[per_query((h, v_dim)), per_query((h, 1))],
+      out_specs=[per_query((h, v_dim)), per_query((1, h))],
       out_shape=[jax.ShapeDtypeStruct((b, t, h, v_dim), q.dtype),
-                 jax.ShapeDtypeStruct((b, t, h, 1), jnp.float32)],
+                 jax.ShapeDtypeStruct((b, t, 1, h), jnp.float32)],
       scratch_shapes=[
           pltpu.VMEM((2, block_k, d), kv.dtype),
           pltpu.SemaphoreType.DMA((2,)),
@@ -202,19 +221,19 @@ def sparse_mla_fwd(q, kv, idx_bgnk, nlive_bt11, *, v_dim, scale, interpret=False
           dimension_semantics=("parallel", "parallel", "arbitrary")),
       interpret=_backend.tpu_interpret(interpret),
       name="sparse_mla_fwd",
-  )(nlive_bt11, idx_bgnk, idx_bgnk, q, kv)
+  )(idx_bgnk, idx_bgnk, q, kv)
 
 
 # -------------------------------------------------------------------------- backward
 
 
-def _bwd_kernel(nlive_smem, idx_smem, idx_row_vmem, idx_col_vmem, q_ref, kv_hbm, do_ref,
-                lse_ref, delta_ref, dkv_in_hbm, dq_ref, dkv_hbm, rows_buf, sem, dkv_buf,
-                dsem, dq_acc, *, scale, precision):
+def _bwd_kernel(idx_smem, idx_vmem, q_ref, kv_hbm, do_ref, lse_ref, delta_ref, dkv_in_hbm,
+                dq_ref, dkv_hbm, rows_buf, sem, dkv_buf, dsem, dq_acc, *, scale, v_dim,
+                precision):
   del dkv_in_hbm  # aliased with dkv_hbm
   bi, kb = pl.program_id(0), pl.program_id(2)
   n_kb = pl.num_programs(2)
-  n_live = nlive_smem[0, 0]
+  n_live = _live_blocks(idx_vmem)
   block_k = rows_buf.shape[1]
   slot = jax.lax.rem(kb, 2)
 
@@ -255,27 +274,28 @@ def _bwd_kernel(nlive_smem, idx_smem, idx_row_vmem, idx_col_vmem, q_ref, kv_hbm,
     _gather_rows(idx_smem, kb, kv_hbm, bi, rows_buf, slot, sem, start=False)
     rows = rows_buf[slot].astype(q_ref.dtype)                  # [bk, d]
     q = q_ref[...]                                             # [h, d]
-    do = do_ref[...]                                           # [h, d]
-    valid = idx_row_vmem[pl.ds(kb, 1), :] >= 0                 # [1, bk]
+    do = do_ref[...]                                           # [h, v]
+    row = idx_vmem[pl.ds(kb, 1), :]                            # [1, bk]
+    valid = row >= 0
     s = _nt_dot(q, rows, precision) * scale                    # [h, bk]
-    p = jnp.where(valid, jnp.exp(s - lse_ref[...]), 0.0)       # lse [h, 1]
-    dp = _nt_dot(do, rows, precision)                          # [h, bk]; do is 0 past v
-    ds = p * (dp - delta_ref[...])                             # [h, bk]
+    p = jnp.where(valid, jnp.exp(s - _row_to_column(lse_ref[...])), 0.0)
+    dp = _nt_dot(do, rows[:, :v_dim], precision)               # [h, bk]
+    ds = p * (dp - _row_to_column(delta_ref[...]))             # [h, bk]
     ds_c = ds.astype(rows.dtype)
     dq_acc[...] += _nn_dot(ds_c, rows, precision) * scale
-    d_rows = (_tn_dot(ds_c, q, precision) * scale              # [bk, d]
-              + _tn_dot(p.astype(do.dtype), do, precision))
+    d_rows = _tn_dot(ds_c, q, precision) * scale               # [bk, d]
+    d_rows_v = _tn_dot(p.astype(do.dtype), do, precision)      # [bk, v]
     # Sum the contributions of slots that name the same row (duplicates) so that
     # each of their read-modify-writes stores the same total.
-    col = idx_col_vmem[...]                                    # [bk, 1]
-    row = idx_row_vmem[pl.ds(kb, 1), :]                        # [1, bk]
-    same = ((col == row) & (row >= 0)).astype(jnp.float32)     # [bk, bk]
+    rows_bk = jnp.broadcast_to(row, (block_k, block_k))        # [bk, bk]: [i, j] = row[j]
+    same = ((rows_bk.T == rows_bk) & valid).astype(jnp.float32)
     has_dup = jnp.sum(same) > jnp.sum(valid.astype(jnp.float32))
-    d_rows = jax.lax.cond(has_dup,
-                          lambda x: _nn_dot(same, x, jax.lax.Precision.HIGHEST),
-                          lambda x: x, d_rows)
+    sum_dups = lambda x: jax.lax.cond(
+        has_dup, lambda y: _nn_dot(same, y, jax.lax.Precision.HIGHEST), lambda y: y, x)
+    d_rows, d_rows_v = sum_dups(d_rows), sum_dups(d_rows_v)
     dkv_rows("wait_read")
     dkv_buf[...] = dkv_buf[...] + d_rows
+    dkv_buf[:, :v_dim] = dkv_buf[:, :v_dim] + d_rows_v
     dkv_rows("write")
     dkv_rows("wait_write")
 
@@ -284,16 +304,15 @@ def _bwd_kernel(nlive_smem, idx_smem, idx_row_vmem, idx_col_vmem, q_ref, kv_hbm,
     dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
 
 
-def sparse_mla_bwd(q, kv, idx_bgnk, nlive_bt11, do, lse_bth1, delta_bth1, *, scale,
+def sparse_mla_bwd(q, kv, idx_bgnk, do, lse_bt1h, delta_bt1h, *, v_dim, scale,
                    interpret=False):
   """Backward kernel.
 
   Args:
-    q, kv, idx_bgnk, nlive_bt11: as in `sparse_mla_fwd`.
-    do: [b, t, h, d] output cotangent, zero-padded from v to d columns (so that
-      do . rows^T and p^T . do need no lane slicing or concatenation).
-    lse_bth1: [b, t, h, 1] float32 saved log-sum-exp.
-    delta_bth1: [b, t, h, 1] float32, sum(do * out, -1) - dlse.
+    q, kv, idx_bgnk: as in `sparse_mla_fwd`.
+    do: [b, t, h, v] output cotangent.
+    lse_bt1h: [b, t, 1, h] float32 saved log-sum-exp.
+    delta_bt1h: [b, t, 1, h] float32, sum(do * out, -1) - dlse.
 
   Returns:
     dq [b, t, h, d] (q.dtype), dkv [b, s, d] float32.
@@ -301,26 +320,22 @@ def sparse_mla_bwd(q, kv, idx_bgnk, nlive_bt11, do, lse_bth1, delta_bth1, *, sca
   b, t, h, d = q.shape
   s = kv.shape[1]
   _, _, n_kb, block_k = idx_bgnk.shape
-  kernel = functools.partial(_bwd_kernel, scale=scale,
+  kernel = functools.partial(_bwd_kernel, scale=scale, v_dim=v_dim,
                              precision=_backend.dot_precision(q.dtype))
   per_query = lambda shape: pl.BlockSpec((None, None) + shape, lambda i, j, k: (i, j, 0, 0))
-  idx_col = idx_bgnk.reshape(b, t, n_kb * block_k, 1)
   dkv0 = jnp.zeros((b, s, d), jnp.float32)
   return pl.pallas_call(
       kernel,
       grid=(b, t, n_kb),
       in_specs=[
-          pl.BlockSpec((None, None, 1, 1), lambda i, j, k: (i, j, 0, 0),
-                       memory_space=pltpu.SMEM),
           pl.BlockSpec((None, None, n_kb, block_k), lambda i, j, k: (i, j, 0, 0),
                        memory_space=pltpu.SMEM),
           per_query((n_kb, block_k)),
-          pl.BlockSpec((None, None, block_k, 1), lambda i, j, k: (i, j, k, 0)),
           per_query((h, d)),
           pl.BlockSpec(memory_space=pl.ANY),
-          per_query((h, d)),
-          per_query((h, 1)),
-          per_query((h, 1)),
+          per_query((h, v_dim)),
+          per_query((1, h)),
+          per_query((1, h)),
           pl.BlockSpec(memory_space=pl.ANY),
       ],
       out_specs=[per_query((h, d)), pl.BlockSpec(memory_space=pl.ANY)],
@@ -333,9 +348,9 @@ def sparse_mla_bwd(q, kv, idx_bgnk, nlive_bt11, do, lse_bth1, delta_bth1, *, sca
           pltpu.SemaphoreType.DMA(()),
           pltpu.VMEM((h, d), jnp.float32),
       ],
-      input_output_aliases={9: 1},
+      input_output_aliases={7: 1},
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "arbitrary", "arbitrary")),
       interpret=_backend.tpu_interpret(interpret),
       name="sparse_mla_bwd",
-  )(nlive_bt11, idx_bgnk, idx_bgnk, idx_col, q, kv, do, lse_bth1, delta_bth1, dkv0)
+  )(idx_bgnk, idx_bgnk, q, kv, do, lse_bt1h, delta_bt1h, dkv0)
