@@ -10,6 +10,14 @@ Triton, `gpu.py`). `dispatch` picks one:
                           the kernel, so `jax.export(..., platforms=["tpu"])`
                           from a CPU host gets the TPU kernel and
                           `platforms=["cuda"]` the Triton one.
+  interpret=None          also by lowering platform: the kernel on TPU / CUDA,
+                          the interpreter on any other platform (of `backend`;
+                          with backend=None the Triton lowering's, which is plain
+                          jax: the TPU interpreter's io_callbacks are ordered
+                          effects that `platform_dependent` cannot put next to
+                          effect-free branches). What the model uses: the same
+                          jitted code runs on a CPU host and compiles for a TPU
+                          from it.
 
 Interpret mode for the TPU kernels uses `pltpu.InterpretParams()`, which
 simulates HBM, VMEM, SMEM, DMAs and semaphores (DMAs land only when waited on,
@@ -34,14 +42,22 @@ def check_backend(backend: str | None, where: str):
     raise ValueError(f"{where}: backend={backend!r}, expected None or one of {BACKENDS}")
 
 
-def dispatch(fns: dict[str, Callable[..., Any]], backend: str | None, interpret: Any,
-             *args):
-  """Calls fns["tpu"] or fns["gpu"] on args, as described in the module docstring."""
+_PLATFORM = {"tpu": "tpu", "gpu": "cuda"}
+
+
+def dispatch(make: Callable[[str, Any], Callable[..., Any]], backend: str | None,
+             interpret: Any, *args):
+  """Calls make(backend, interpret)(*args) as described in the module docstring."""
+  if interpret is None:
+    names = BACKENDS if backend is None else (backend,)
+    kernels = {_PLATFORM[name]: make(name, False) for name in names}
+    return jax.lax.platform_dependent(*args, **kernels, default=make(backend or "gpu", True))
   if backend is None and interpret:
     backend = "gpu" if jax.default_backend() == "gpu" else "tpu"
   if backend is not None:
-    return fns[backend](*args)
-  return jax.lax.platform_dependent(*args, tpu=fns["tpu"], cuda=fns["gpu"])
+    return make(backend, interpret)(*args)
+  return jax.lax.platform_dependent(*args, tpu=make("tpu", interpret),
+                                    cuda=make("gpu", interpret))
 
 
 def tpu_interpret(interpret: Any):

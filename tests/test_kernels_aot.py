@@ -12,8 +12,6 @@ Shapes are GLM-5's at 32K context (h=64, d_qk=576, v_dim=512, topk=2048,
 h_i=32, d_i=128), bfloat16 activations.
 """
 
-from unittest import mock
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -100,8 +98,8 @@ def test_model_kernel_calls_compile_on_a_sharded_v5e_mesh():
 def test_small_model_training_gradient_compiles_with_pallas_on_a_v5e_mesh():
   # The whole model (`small` preset, 2 layers, bfloat16) with attention_impl="pallas",
   # differentiated as in training, on a data 2 x tensor 2 mesh: every kernel call is
-  # partitioned and has a gradient rule. The model picks interpret mode from the host's
-  # backend; this host is a CPU compiling for a TPU, so it is told otherwise.
+  # partitioned and has a gradient rule, and the model's kernels are chosen by the lowering
+  # platform (interpret=None), not by this CPU host.
   cfg = config_lib.get_preset("small", attention_impl="pallas", dtype="bfloat16",
                               num_hidden_layers=2)
   devices = np.array(topologies.get_topology_desc("v5e:2x2", "tpu").devices)
@@ -116,7 +114,7 @@ def test_small_model_training_gradient_compiles_with_pallas_on_a_v5e_mesh():
                               with_indexer_loss=True)
     return jnp.mean(out.hidden.astype(jnp.float32) ** 2) + jnp.sum(out.indexer_kl)
 
-  with jax.set_mesh(mesh), mock.patch.object(jax, "default_backend", return_value="tpu"):
+  with jax.set_mesh(mesh):
     compiled = jax.jit(jax.grad(loss)).trace(params, tokens).lower(
         lowering_platforms=("tpu",)).compile()
   assert compiled.as_text().count('custom_call_target="tpu_custom_call"') > 0

@@ -3,14 +3,16 @@
 Design.md decision 4: one attention function, several implementations; the
 model must not notice which one runs. The tiny preset selects index_topk=8 of
 24 positions, so the indexer kernel's selection and the sparse-attention
-kernels both decide the result; the top-k indices must be identical and the
-logits equal to float32 rounding (1e-5 of their magnitude).
+kernels both decide the result; the top-k indices must be identical, the
+logits equal to float32 rounding (1e-5 of their magnitude) and the gradients
+to 1e-4. On a CPU host the model (`interpret=None`) runs the Triton kernels in
+the Pallas interpreter; the TPU kernels are tested op by op in interpret mode
+and compiled inside the model by tests/test_kernels_aot.py.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from glm5_jax import nn as gnn
 from pallas_kernels import testing
@@ -53,17 +55,9 @@ def _loss_fn(cfg, tokens):
   return loss
 
 
-def test_pallas_model_is_differentiable(tiny_cfg, tiny_params, tiny_tokens):
-  # Tracing the gradient is enough to catch a kernel without a JVP / VJP rule on the
-  # training path (the indexer's pallas_call has none: its inputs must be cut from autodiff).
-  loss = _loss_fn(tiny_cfg.replace(attention_impl="pallas"), tiny_tokens)
-  grads = jax.eval_shape(jax.grad(loss), tiny_params)
-  assert jax.tree.structure(grads) == jax.tree.structure(tiny_params)
-
-
-@pytest.mark.slow
 def test_pallas_gradients_equal_xla_gradients(tiny_cfg, tiny_params, tiny_tokens):
-  # The training path numerically: ~100 s in the TPU kernels' interpreter on 2 cores.
+  # The training path: the loss (LM + MTP + indexer KL) differentiated through both kernels
+  # (the indexer's pallas_call has no JVP rule: its inputs must be cut from autodiff).
   def loss_and_grads(cfg):
     return jax.jit(jax.value_and_grad(_loss_fn(cfg, tiny_tokens)))(tiny_params)
 

@@ -166,7 +166,7 @@ def attention(cfg, p, x_btd, cos, sin, cache, chunk: Chunk, prev_idx, form: str)
     u, _ = dsa_kernels.sparse_mla(
         mla_lib.absorb_query(q_nope, q_rope, w_uk), kv, indices, v_dim=c,
         scale=cfg.softmax_scale, impl=cfg.attention_impl,
-        interpret=jax.default_backend() == "cpu", chunk_size=cfg.attention_chunk_size)
+        interpret=None, chunk_size=cfg.attention_chunk_size)
     o = jnp.einsum("bthc,chv->bthv", u, w_uv)
   elif form == "expanded":
     o = expanded_sparse_attention(cfg, q_nope, q_rope, kv, w_uk, w_uv, indices)

@@ -66,5 +66,5 @@ def select_topk(cfg, q, k, w, doc_start=None):
   """
   return dsa_kernels.topk_indices(
       q, k, w, cfg.index_topk, impl=cfg.attention_impl,
-      interpret=jax.default_backend() == "cpu", chunk_size=cfg.attention_chunk_size,
+      interpret=None, chunk_size=cfg.attention_chunk_size,
       start=doc_start)

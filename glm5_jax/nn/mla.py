@@ -87,7 +87,7 @@ def mla_sparse_attention(cfg, q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, indices_
   kv = jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], axis=-1)
   u, _ = dsa_kernels.sparse_mla(
       q_abs, kv, indices_btk, v_dim=cfg.kv_lora_rank, scale=cfg.softmax_scale,
-      impl=cfg.attention_impl, interpret=jax.default_backend() == "cpu",
+      impl=cfg.attention_impl, interpret=None,
       chunk_size=cfg.attention_chunk_size)
   return jnp.einsum("bthc,chv->bthv", u, w_uv)
 

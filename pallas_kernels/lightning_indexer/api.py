@@ -22,7 +22,7 @@ def _check_shapes(q, k, w, topk):
     raise ValueError(f"topk_indices: topk={topk!r}, expected a positive int")
 
 
-def topk_indices(q, k, w, topk: int, *, impl: str = "xla", interpret: bool = False,
+def topk_indices(q, k, w, topk: int, *, impl: str = "xla", interpret: bool | None = False,
                  chunk_size: int = 512, start=None, backend: str | None = None):
   """Top-k key positions per query by lightning-indexer score.
 
@@ -32,7 +32,8 @@ def topk_indices(q, k, w, topk: int, *, impl: str = "xla", interpret: bool = Fal
     w: [b, t, h_i] per-head weights.
     topk: slots per query.
     impl: "xla" (chunked jnp) or "pallas" (TPU / GPU kernel).
-    interpret: run the Pallas kernel in interpret mode (CPU tests).
+    interpret: run the Pallas kernel in interpret mode (CPU tests); None: by
+      lowering platform (the kernel on TPU / CUDA, the interpreter elsewhere).
     chunk_size: queries scored at once (both paths); peak memory O(b * chunk * s).
     start: optional int32 [b, t], the first key each query may see (packed
       documents: its document's start). Keys before it are never selected.

@@ -96,7 +96,8 @@ def topk_indices(q, k, w, topk: int, *, start=None, interpret=False,
     start: optional int32 [b, t], first key each query may see (packed
       documents); applied in the selection, as in the reference.
     interpret: run the score kernel in the Pallas interpreter (CPU): True, or a
-      `pltpu.InterpretParams` for the TPU kernel.
+      `pltpu.InterpretParams` for the TPU kernel; None: by lowering platform
+      (see `pallas_kernels._backend`).
     backend: "tpu", "gpu", or None (see `pallas_kernels._backend`).
     chunk_size: queries per chunk; peak memory O(b * chunk_size * s) float32.
     block_q, block_k: score tile (tq, bk). TPU: multiples of 8 (bk of 128 on
@@ -113,7 +114,6 @@ def topk_indices(q, k, w, topk: int, *, start=None, interpret=False,
     raise ValueError(f"topk_indices: chunk_size={chunk_size}, expected a positive int")
   b, t = q.shape[:2]
   start = jnp.zeros((b, t), jnp.int32) if start is None else start.astype(jnp.int32)
-  fns = {name: functools.partial(_topk_one_backend, name, topk, chunk_size, block_q, block_k,
-                                 interpret)
-         for name in _backend.BACKENDS}
-  return _backend.dispatch(fns, backend, interpret, q, k, w, start)
+  make = lambda name, interp: functools.partial(_topk_one_backend, name, topk, chunk_size,
+                                                block_q, block_k, interp)
+  return _backend.dispatch(make, backend, interpret, q, k, w, start)

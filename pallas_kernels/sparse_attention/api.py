@@ -19,7 +19,8 @@ def _check_shapes(q, kv, indices, v_dim):
 
 
 def sparse_mla(q, kv, indices, *, v_dim: int, scale: float, impl: str = "xla",
-               interpret: bool = False, chunk_size: int = 256, backend: str | None = None):
+               interpret: bool | None = False, chunk_size: int = 256,
+               backend: str | None = None):
   """Attention of absorbed MLA queries over their selected cache rows.
 
   Args:
@@ -29,7 +30,8 @@ def sparse_mla(q, kv, indices, *, v_dim: int, scale: float, impl: str = "xla",
     v_dim: the value is kv[..., :v_dim].
     scale: logit scale.
     impl: "xla" (chunked jnp gather) or "pallas" (TPU / GPU kernel).
-    interpret: run the Pallas kernel in interpret mode (CPU tests).
+    interpret: run the Pallas kernel in interpret mode (CPU tests); None: by
+      lowering platform (the kernel on TPU / CUDA, the interpreter elsewhere).
     chunk_size: query chunk of the "xla" path.
     backend: for "pallas", the kernel lowering: "tpu", "gpu", or None = the
       platform's (see `pallas_kernels._backend`).

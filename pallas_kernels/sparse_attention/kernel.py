@@ -101,14 +101,17 @@ def _gpu_bwd(v_dim, scale, interpret, block_k, q, kv, indices, do, lse, delta):
   return dq_p[:, :, :h], dkv_p
 
 
+_FWD = {"tpu": _tpu_fwd, "gpu": _gpu_fwd}
+_BWD = {"tpu": _tpu_bwd, "gpu": _gpu_bwd}
+
+
 # ------------------------------------------------------------------------ custom_vjp
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
 def _sparse_mla(q, kv, indices, v_dim, scale, interpret, backend, block_k):
-  fns = {"tpu": functools.partial(_tpu_fwd, v_dim, scale, interpret, block_k),
-         "gpu": functools.partial(_gpu_fwd, v_dim, scale, interpret, block_k)}
-  return _backend.dispatch(fns, backend, interpret, q, kv, indices)
+  make = lambda name, interp: functools.partial(_FWD[name], v_dim, scale, interp, block_k)
+  return _backend.dispatch(make, backend, interpret, q, kv, indices)
 
 
 def _sparse_mla_fwd(q, kv, indices, v_dim, scale, interpret, backend, block_k):
@@ -121,9 +124,8 @@ def _sparse_mla_bwd(v_dim, scale, interpret, backend, block_k, res, cts):
   do, dlse = cts
   delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
   delta = delta - dlse.astype(jnp.float32)
-  fns = {"tpu": functools.partial(_tpu_bwd, v_dim, scale, interpret, block_k),
-         "gpu": functools.partial(_gpu_bwd, v_dim, scale, interpret, block_k)}
-  dq, dkv = _backend.dispatch(fns, backend, interpret, q, kv, indices, do, lse, delta)
+  make = lambda name, interp: functools.partial(_BWD[name], v_dim, scale, interp, block_k)
+  dq, dkv = _backend.dispatch(make, backend, interpret, q, kv, indices, do, lse, delta)
   return dq.astype(q.dtype), dkv.astype(kv.dtype), None
 
 
@@ -141,7 +143,8 @@ def sparse_mla(q, kv, indices, *, v_dim: int, scale: float, interpret=False,
     v_dim: value width (kv[..., :v_dim]).
     scale: logit scale.
     interpret: run the kernels in the Pallas interpreter (CPU): True, or a
-      `pltpu.InterpretParams` for the TPU kernels.
+      `pltpu.InterpretParams` for the TPU kernels; None: by lowering platform
+      (see `pallas_kernels._backend`).
     backend: "tpu", "gpu", or None (see `pallas_kernels._backend`).
     block_k: slots per kernel step; TPU: a multiple of 8 (default 128), GPU: a
       power of two >= 16 (default 64).
