@@ -13,6 +13,10 @@ the device's peak (`--peak_tflops` / `--peak_gbs`, measured with a large matmul
 and a large copy when 0), floor = max of the two, and the achieved fraction
 floor / time. The sizing is in `pallas_kernels.roofline`.
 
+A point that fails (out of memory, a compile error) is recorded as an error row
+and the run goes on; the JSON is rewritten after every point, so a run cut short
+by a time limit still leaves what it measured.
+
 Ops: `indexer` (scores + top-k), `sparse_fwd` (sparse MLA forward),
 `sparse_fwd_bwd` (forward + gradients of q and kv). Indices come from the
 indexer on random inputs, so early queries have -1 tails as in the model.
@@ -72,7 +76,11 @@ def _inputs(seed, shape, b, t, dtype):
 
 
 def bench(shape, lengths, ops, impls, batch, dtype, repeats, peak_tflops, peak_gbs, chunk,
-          backend):
+          backend, on_row=lambda rows: None):
+  """Times every (length, op, impl); a failure (e.g. out of memory) becomes an error row.
+
+  on_row(rows) runs after each row, so a run cut short still leaves its results.
+  """
   rows = []
   for t in lengths:
     qi, ki, wi, q, kv = _inputs(t, shape, batch, t, dtype)
@@ -85,12 +93,18 @@ def bench(shape, lengths, ops, impls, batch, dtype, repeats, peak_tflops, peak_g
       cost = roofline.cost(op, b=batch, t=t, s=t, n_valid=n_valid, dtype=dtype, **shape)
       floor_s = roofline.floor_seconds(cost, peak_tflops, peak_gbs)
       for impl in impls:
-        secs = timing.median_time(kernel_ops.op_fn(op, impl, shape, backend, chunk), *args, repeats=repeats)
-        rows.append(dict(op=op, seq_len=t, impl=impl, seconds=secs, gflop=cost.flops / 1e9,
-                         mbytes=cost.bytes / 1e6, floor_seconds=floor_s,
-                         bound=roofline.bound(cost, peak_tflops, peak_gbs),
-                         fraction=floor_s / secs))
-        print(f"  {op} t={t} {impl}: {secs * 1e3:.2f} ms", flush=True)
+        row = dict(op=op, seq_len=t, impl=impl, gflop=cost.flops / 1e9, mbytes=cost.bytes / 1e6,
+                   floor_seconds=floor_s, bound=roofline.bound(cost, peak_tflops, peak_gbs))
+        try:
+          secs = timing.median_time(kernel_ops.op_fn(op, impl, shape, backend, chunk), *args,
+                                    repeats=repeats)
+          row.update(seconds=secs, fraction=floor_s / secs)
+          print(f"  {op} t={t} {impl}: {secs * 1e3:.2f} ms", flush=True)
+        except Exception as e:  # pylint: disable=broad-except
+          row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+          print(f"  {op} t={t} {impl}: FAILED {row['error']}", flush=True)
+        rows.append(row)
+        on_row(rows)
   return rows
 
 
@@ -99,6 +113,9 @@ def table(rows) -> str:
           f"{'floor ms':>11} {'bound':<8}{'fraction':>9}")
   lines = [head, "-" * len(head)]
   for r in rows:
+    if "error" in r:
+      lines.append(f"{r['op']:<15}{r['seq_len']:>8} {r['impl']:<7}  FAILED {r['error']}")
+      continue
     lines.append(f"{r['op']:<15}{r['seq_len']:>8} {r['impl']:<7}{r['seconds'] * 1e3:>11.4g}"
                  f"{r['gflop']:>11.4g}{r['mbytes']:>11.4g}{r['floor_seconds'] * 1e3:>11.4g} "
                  f"{r['bound']:<8}{r['fraction']:>9.3%}")
@@ -121,16 +138,20 @@ def main(argv):
     backend = backend or "gpu"
     print(f"CPU: the pallas impl runs the {backend} kernels in the Pallas interpreter; "
           "its times are not kernel times.")
+  meta = dict(device=device, backend=jax.default_backend(), kernels=backend or "auto",
+              shape=_SHAPE.value, dims=kernel_ops.SHAPES[_SHAPE.value], dtype=str(dtype),
+              peak_tflops=peak_tflops, peak_gbs=peak_gbs)
+
+  def write(rows):
+    if _OUT.value:
+      with open(_OUT.value, "w") as f:
+        json.dump(dict(meta, rows=rows), f, indent=1)
+
   rows = bench(kernel_ops.SHAPES[_SHAPE.value], [int(x) for x in _LENGTHS.value], _OPS.value,
                _IMPLS.value, _BATCH.value, dtype, _REPEATS.value, peak_tflops, peak_gbs,
-               _CHUNK.value, backend)
+               _CHUNK.value, backend, on_row=write)
   print(table(rows))
   if _OUT.value:
-    with open(_OUT.value, "w") as f:
-      json.dump(dict(device=device, backend=jax.default_backend(), kernels=backend or "auto",
-                     shape=_SHAPE.value,
-                     dims=kernel_ops.SHAPES[_SHAPE.value], dtype=str(dtype), peak_tflops=peak_tflops,
-                     peak_gbs=peak_gbs, rows=rows), f, indent=1)
     print(f"wrote {_OUT.value}")
 
 
