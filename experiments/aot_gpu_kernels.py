@@ -44,6 +44,7 @@ from triton._C.libtriton import ir as tt_ir
 from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import make_backend
 
+from pallas_kernels import testing
 from pallas_kernels.lightning_indexer import kernel as indexer_kernel
 from pallas_kernels.sparse_attention import kernel as sparse_kernel
 
@@ -67,10 +68,11 @@ def export_triton_modules(fn, *args):
 
   _pallas_triton.lowering.lower_jaxpr_to_triton_module = capture
   try:
-    module = jax.export.export(
-        jax.jit(fn), platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)],
-    )(*args).mlir_module()
+    with testing.cuda_target():
+      module = jax.export.export(
+          jax.jit(fn), platforms=["cuda"],
+          disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)],
+      )(*args).mlir_module()
   finally:
     _pallas_triton.lowering.lower_jaxpr_to_triton_module = orig
   kernels = {}

@@ -13,6 +13,9 @@ the device's peak (`--peak_tflops` / `--peak_gbs`, measured with a large matmul
 and a large copy when 0), floor = max of the two, and the achieved fraction
 floor / time. The sizing is in `pallas_kernels.roofline`.
 
+Where both impls ran, the pallas row also says how far its outputs are from the
+xla path's on this device (`vs xla`: for the indexer the fraction of queries
+whose top-k differs, else the largest normwise relative error of any output).
 A point that fails (out of memory, a compile error) is recorded as an error row
 and the run goes on; the JSON is rewritten after every point, so a run cut short
 by a time limit still leaves what it measured.
@@ -44,6 +47,8 @@ _REPEATS = flags.DEFINE_integer("repeats", 3, "timed runs per point (median)")
 _PEAK_TFLOPS = flags.DEFINE_float("peak_tflops", 0.0, "matmul peak; 0 = measure")
 _PEAK_GBS = flags.DEFINE_float("peak_gbs", 0.0, "memory bandwidth peak; 0 = measure")
 _CHUNK = flags.DEFINE_integer("chunk_size", 256, "query chunk of both impls")
+_TILES = {name: flags.DEFINE_integer(name, 0, f"pallas kernel tile {name}; 0 = the default")
+          for name in ("sparse_block_k", "indexer_block_q", "indexer_block_k")}
 _BACKEND = flags.DEFINE_enum(
     "backend", "auto", ["auto", "tpu", "gpu"],
     "kernel lowering; auto = the device's, and on CPU the GPU (Triton) kernels, whose "
@@ -76,7 +81,7 @@ def _inputs(seed, shape, b, t, dtype):
 
 
 def bench(shape, lengths, ops, impls, batch, dtype, repeats, peak_tflops, peak_gbs, chunk,
-          backend, on_row=lambda rows: None):
+          backend, tiles=None, on_row=lambda rows: None):
   """Times every (length, op, impl); a failure (e.g. out of memory) becomes an error row.
 
   on_row(rows) runs after each row, so a run cut short still leaves its results.
@@ -92,25 +97,46 @@ def bench(shape, lengths, ops, impls, batch, dtype, repeats, peak_tflops, peak_g
       args = (qi, ki, wi) if op == "indexer" else (q, kv, idx)
       cost = roofline.cost(op, b=batch, t=t, s=t, n_valid=n_valid, dtype=dtype, **shape)
       floor_s = roofline.floor_seconds(cost, peak_tflops, peak_gbs)
+      outputs, op_rows = {}, {}
       for impl in impls:
         row = dict(op=op, seq_len=t, impl=impl, gflop=cost.flops / 1e9, mbytes=cost.bytes / 1e6,
                    floor_seconds=floor_s, bound=roofline.bound(cost, peak_tflops, peak_gbs))
         try:
-          secs = timing.median_time(kernel_ops.op_fn(op, impl, shape, backend, chunk), *args,
-                                    repeats=repeats)
+          fn = kernel_ops.op_fn(op, impl, shape, backend, chunk, tiles=tiles)
+          secs = timing.median_time(fn, *args, repeats=repeats)
           row.update(seconds=secs, fraction=floor_s / secs)
+          outputs[impl] = fn(*args)
           print(f"  {op} t={t} {impl}: {secs * 1e3:.2f} ms", flush=True)
         except Exception as e:  # pylint: disable=broad-except
           row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
           print(f"  {op} t={t} {impl}: FAILED {row['error']}", flush=True)
         rows.append(row)
+        op_rows[impl] = row
+        on_row(rows)
+      if "pallas" in outputs and "xla" in outputs:   # the kernel checked on this device
+        op_rows["pallas"]["vs_xla"] = _mismatch(op, outputs["pallas"], outputs["xla"])
+        print(f"  {op} t={t} pallas vs xla: {op_rows['pallas']['vs_xla']:.3g}", flush=True)
         on_row(rows)
   return rows
 
 
+def _mismatch(op, got, want) -> float:
+  """pallas vs xla on the device: the fraction of query rows whose top-k differs (indexer), or
+  the largest normwise relative error, max|a - b| / max|b| over each output (attention)."""
+  if op == "indexer":
+    return float(jnp.mean(jnp.any(got != want, axis=-1)))
+  errs = []
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    finite = jnp.isfinite(b)
+    scale = jnp.max(jnp.where(finite, jnp.abs(b), 0.0))
+    errs.append(float(jnp.max(jnp.where(finite, jnp.abs(a - b), 0.0)) / jnp.maximum(scale, 1e-30)))
+  return max(errs)
+
+
 def table(rows) -> str:
   head = (f"{'op':<15}{'seq':>8} {'impl':<7}{'time ms':>11}{'GFLOP':>11}{'MB':>11}"
-          f"{'floor ms':>11} {'bound':<8}{'fraction':>9}")
+          f"{'floor ms':>11} {'bound':<8}{'fraction':>9}{'vs xla':>10}")
   lines = [head, "-" * len(head)]
   for r in rows:
     if "error" in r:
@@ -118,7 +144,8 @@ def table(rows) -> str:
       continue
     lines.append(f"{r['op']:<15}{r['seq_len']:>8} {r['impl']:<7}{r['seconds'] * 1e3:>11.4g}"
                  f"{r['gflop']:>11.4g}{r['mbytes']:>11.4g}{r['floor_seconds'] * 1e3:>11.4g} "
-                 f"{r['bound']:<8}{r['fraction']:>9.3%}")
+                 f"{r['bound']:<8}{r['fraction']:>9.3%}"
+                 + (f"{r['vs_xla']:>10.2g}" if "vs_xla" in r else ""))
   return "\n".join(lines)
 
 
@@ -138,9 +165,10 @@ def main(argv):
     backend = backend or "gpu"
     print(f"CPU: the pallas impl runs the {backend} kernels in the Pallas interpreter; "
           "its times are not kernel times.")
+  tiles = {name: f.value or None for name, f in _TILES.items()}
   meta = dict(device=device, backend=jax.default_backend(), kernels=backend or "auto",
               shape=_SHAPE.value, dims=kernel_ops.SHAPES[_SHAPE.value], dtype=str(dtype),
-              peak_tflops=peak_tflops, peak_gbs=peak_gbs)
+              peak_tflops=peak_tflops, peak_gbs=peak_gbs, tiles=tiles)
 
   def write(rows):
     if _OUT.value:
@@ -149,7 +177,7 @@ def main(argv):
 
   rows = bench(kernel_ops.SHAPES[_SHAPE.value], [int(x) for x in _LENGTHS.value], _OPS.value,
                _IMPLS.value, _BATCH.value, dtype, _REPEATS.value, peak_tflops, peak_gbs,
-               _CHUNK.value, backend, on_row=write)
+               _CHUNK.value, backend, tiles=tiles, on_row=write)
   print(table(rows))
   if _OUT.value:
     print(f"wrote {_OUT.value}")

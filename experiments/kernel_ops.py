@@ -27,20 +27,28 @@ def check_ops(ops, flag="--ops"):
     raise ValueError(f"{flag}: {sorted(unknown)} unknown; expected a subset of {OPS}")
 
 
-def op_fn(op, impl, shape, backend, chunk, interpret=None):
-  """The jit-ed callable timed for (op, impl); interpret=None: on a CPU host."""
+def op_fn(op, impl, shape, backend, chunk, interpret=None, tiles=None):
+  """The jit-ed callable timed for (op, impl).
+
+  interpret=None: on a CPU host. tiles: kernel tile sizes for impl="pallas",
+  {"sparse_block_k", "indexer_block_q", "indexer_block_k"}; absent or None =
+  the kernel's default.
+  """
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
+  tiles = tiles or {}
   scale = shape["d_qk"] ** -0.5
   if op == "indexer":
     if impl == "pallas":
       return jax.jit(lambda q, k, w: indexer_kernel.topk_indices(
-          q, k, w, shape["topk"], chunk_size=chunk, interpret=interpret, backend=backend))
+          q, k, w, shape["topk"], chunk_size=chunk, interpret=interpret, backend=backend,
+          block_q=tiles.get("indexer_block_q"), block_k=tiles.get("indexer_block_k")))
     return jax.jit(lambda q, k, w: lightning_indexer.topk_indices(
         q, k, w, shape["topk"], chunk_size=chunk, impl=impl))
   if impl == "pallas":
     attn = lambda q, kv, idx: sparse_kernel.sparse_mla(
-        q, kv, idx, v_dim=shape["v_dim"], scale=scale, interpret=interpret, backend=backend)
+        q, kv, idx, v_dim=shape["v_dim"], scale=scale, interpret=interpret, backend=backend,
+        block_k=tiles.get("sparse_block_k"))
   else:
     attn = lambda q, kv, idx: sparse_attention.sparse_mla(
         q, kv, idx, v_dim=shape["v_dim"], scale=scale, impl=impl, chunk_size=chunk)

@@ -6,8 +6,26 @@ h heads, k top-k slots, d head dim.
 
 from __future__ import annotations
 
+import contextlib
+
+import jax
 import jax.numpy as jnp
 import numpy as np
+
+
+def cuda_target(device_kind: str = "NVIDIA H200"):
+  """Context naming the GPU that a CUDA lowering targets from a host without one.
+
+  jax >= 0.11 reads the GPU's compute capability while lowering a Triton kernel
+  and, without a GPU, takes it from the abstract mesh's device (the device
+  tool's H200 image runs jax 0.11.2); jax 0.10 needs nothing.
+  """
+  if not hasattr(jax.sharding, "AbstractDevice"):
+    return contextlib.nullcontext()
+  device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None,
+                                       platform="cuda")
+  return jax.sharding.use_abstract_mesh(
+      jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device))
 
 
 def _rng(seed: int):

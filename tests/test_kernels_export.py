@@ -19,6 +19,7 @@ import pytest
 
 from pallas_kernels import lightning_indexer
 from pallas_kernels import sparse_attention
+from pallas_kernels import testing
 from pallas_kernels.lightning_indexer import kernel as indexer_kernel
 
 SEQ = 4096
@@ -31,8 +32,9 @@ NO_TRITON_CHECK = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
 
 
 def _export(fn, platforms, *args):
-  return jax.export.export(jax.jit(fn), platforms=platforms,
-                           disabled_checks=NO_TRITON_CHECK)(*args).mlir_module()
+  with testing.cuda_target():            # jax >= 0.11: the GPU a CUDA lowering targets
+    return jax.export.export(jax.jit(fn), platforms=platforms,
+                             disabled_checks=NO_TRITON_CHECK)(*args).mlir_module()
 
 
 def _kernel_calls(module: str, platform: str):
