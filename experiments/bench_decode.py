@@ -43,6 +43,11 @@ _OUT = flags.DEFINE_string("out", "bench_decode.json", "JSON output path")
 _STEPS = 8                                      # decode steps per device call
 
 
+def _max_len(ctx, n):
+  """Cache length for a ctx-token prompt and the timed decodes of n tokens (plus warm-up)."""
+  return ctx + (_REPEATS.value + 2) * (n + 1) + 64
+
+
 def _decode_rate(engine, sid, n, form):
   """Median decode tokens/s of n greedy tokens appended to the session, over _REPEATS
   calls after a warm-up call that compiles."""
@@ -59,7 +64,7 @@ def _decode_rate(engine, sid, n, form):
 def bench_preset(preset, contexts, n):
   rows = []
   for ctx in contexts:
-    max_len = ctx + (_REPEATS.value + 2) * (n + 1) + 64
+    max_len = _max_len(ctx, n)
     cfg = config_lib.get_preset(preset, max_position_embeddings=max_len)
     params = gnn.init_params(cfg, 0)
     engine = Engine(cfg, params, max_batch=1, max_len=max_len, prefill_chunk=512,
@@ -78,7 +83,7 @@ def bench_preset(preset, contexts, n):
 
 
 def bench_speculative(ctx, n, checkpoint):
-  max_len = ctx + (_REPEATS.value + 2) * (n + 1) + 64
+  max_len = _max_len(ctx, n)
   if checkpoint:
     cfg, params = train_checkpoint.load_model(checkpoint)
     cfg = cfg.replace(max_position_embeddings=max(cfg.max_position_embeddings, max_len))

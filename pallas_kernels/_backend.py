@@ -11,11 +11,11 @@ Triton, `gpu.py`). `dispatch` picks one:
                           from a CPU host gets the TPU kernel and
                           `platforms=["cuda"]` the Triton one.
   interpret=None          also by lowering platform: the kernel on TPU / CUDA,
-                          the interpreter on any other platform (of `backend`;
-                          with backend=None the Triton lowering's, which is plain
-                          jax: the TPU interpreter's io_callbacks are ordered
-                          effects that `platform_dependent` cannot put next to
-                          effect-free branches). What the model uses: the same
+                          the Triton lowering's interpreter on any other platform
+                          (plain jax; the TPU interpreter's io_callbacks are
+                          ordered effects that `platform_dependent` cannot put
+                          next to effect-free branches, so backend="tpu" is
+                          refused here). What the model uses: the same
                           jitted code runs on a CPU host and compiles for a TPU
                           from it.
 
@@ -49,9 +49,12 @@ def dispatch(make: Callable[[str, Any], Callable[..., Any]], backend: str | None
              interpret: Any, *args):
   """Calls make(backend, interpret)(*args) as described in the module docstring."""
   if interpret is None:
+    if backend == "tpu":
+      raise ValueError("interpret=None needs backend=None or 'gpu': the TPU interpreter's "
+                       "io_callbacks cannot be a platform_dependent branch")
     names = BACKENDS if backend is None else (backend,)
     kernels = {_PLATFORM[name]: make(name, False) for name in names}
-    return jax.lax.platform_dependent(*args, **kernels, default=make(backend or "gpu", True))
+    return jax.lax.platform_dependent(*args, **kernels, default=make("gpu", True))
   if backend is None and interpret:
     backend = "gpu" if jax.default_backend() == "gpu" else "tpu"
   if backend is not None:

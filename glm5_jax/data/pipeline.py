@@ -55,8 +55,9 @@ def packed_dataset(data_dir: str, split: str, *, seq_len: int, batch_per_process
     ds = ds[process_index::process_count]
   packed = grain_exp.ConcatThenSplitIterDataset(ds.map(_decode).to_iter_dataset(),
                                                 length_struct={"tokens": seq_len})
+  packed = packed.map(_rename)
   if shard == "documents":
-    return packed.map(_rename).batch(batch_per_process, drop_remainder=True)
+    return packed.batch(batch_per_process, drop_remainder=True)
   lo, hi = process_index * batch_per_process, (process_index + 1) * batch_per_process
-  return (packed.map(_rename).batch(batch_per_process * process_count, drop_remainder=True)
+  return (packed.batch(batch_per_process * process_count, drop_remainder=True)
           .map(lambda b: {k: v[lo:hi] for k, v in b.items()}))

@@ -7,8 +7,8 @@ Tokens are split over the batch axes (`data, fsdp, expert`), routed experts over
   2. `all_to_all` over `expert`: every destination gets a [capacity, d] block from
      every source. capacity = n_local * K, the worst case, so nothing is ever
      dropped (dropless, like the single-device path; memory ep x the routed rows);
-  3. run the local experts as grouped matmuls (`ragged_dot`), padding rows last
-     (ragged_dot leaves rows past sum(group_sizes) at zero);
+  3. run the local experts with `moe.grouped_swiglu` (sort + `ragged_dot`), padding
+     rows last (ragged_dot leaves rows past sum(group_sizes) at zero);
   4. `all_to_all` the results back and combine them with the routing weights.
 
 Weights enter replicated over the non-expert axes (GSPMD gathers fsdp/tensor
@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from glm5_jax import sharding as shd
+from glm5_jax.nn import moe  # moe imports this module too; used only at call time
 
 EXPERT_AXIS = "expert"
 
@@ -54,12 +55,11 @@ def _local_dispatch(x_nd, ids_nk, wts_nk, wg, wu, wd):
 
   recv_x = jax.lax.all_to_all(send_x, EXPERT_AXIS, 0, 0).reshape(ep * cap, d)
   recv_e = jax.lax.all_to_all(send_e, EXPERT_AXIS, 0, 0).reshape(ep * cap)
-  by_expert = jnp.argsort(recv_e, stable=True)               # padding id e_loc sorts last
-  sizes = jnp.bincount(recv_e, length=e_loc + 1)[:e_loc].astype(jnp.int32)
-  xs = recv_x[by_expert]
-  h = jax.nn.silu(jax.lax.ragged_dot(xs, wg, sizes)) * jax.lax.ragged_dot(xs, wu, sizes)
-  ys = jax.lax.ragged_dot(h, wd, sizes)
-  ys = jnp.zeros_like(ys).at[by_expert].set(ys).reshape(ep, cap, d)
+  # The local experts on the received rows: one expert per row, weight 1; padding rows
+  # (id e_loc) sort last, fall outside every group and come back as zeros.
+  ys, _ = moe.grouped_swiglu(recv_x, recv_e[:, None], jnp.ones((ep * cap, 1), recv_x.dtype),
+                             wg, wu, wd)
+  ys = ys.reshape(ep, cap, d)
 
   back = jax.lax.all_to_all(ys, EXPERT_AXIS, 0, 0)            # back[j] = my rows sent to j
   rows = back[dest_s, slot] * wts_nk.reshape(-1)[order][:, None].astype(ys.dtype)

@@ -134,8 +134,8 @@ def _init_state(c, cfg, tx, mesh, param_sh, abstract):
   if c.init_from:
     params = ckpt_lib.restore_params(c.init_from, abstract_with(abstract, param_sh))
   opt_state = jax.jit(tx.init)(params)
-  opt_state = jax.tree.map(lambda x, sh: x if x.sharding == sh else jax.device_put(x, sh),
-                           opt_state, _on_mesh(jax.tree.map(lambda x: x.sharding, opt_state), mesh))
+  opt_state = jax.device_put(opt_state,
+                             _on_mesh(jax.tree.map(lambda x: x.sharding, opt_state), mesh))
   rep = shd.replicated(mesh)
   return step_lib.TrainState(
       step=jax.device_put(jnp.zeros((), jnp.int32), rep), params=params, opt_state=opt_state,

@@ -45,11 +45,15 @@ def _block_k(backend: str, k: int, block_k: int | None) -> int:
 
 
 def _blocked_indices(indices, block_k: int):
-  """Indices padded with -1 to n_kb * bk slots; n_live [b, t]: blocks up to the last valid slot."""
-  idx = _backend.pad_to(indices.astype(jnp.int32), 2, block_k, value=-1)
+  """Indices padded with -1 to n_kb * bk slots."""
+  return _backend.pad_to(indices.astype(jnp.int32), 2, block_k, value=-1)
+
+
+def _live_blocks(idx, block_k: int):
+  """n_live [b, t]: blocks up to the last valid slot (the TPU kernels count them on chip)."""
   pos = jnp.arange(idx.shape[-1], dtype=jnp.int32)
   last = jnp.max(jnp.where(idx >= 0, pos, -1), axis=-1)
-  return idx, (last + block_k) // block_k
+  return (last + block_k) // block_k
 
 
 # ----------------------------------------------------------------- per-backend wrappers
@@ -58,7 +62,7 @@ def _blocked_indices(indices, block_k: int):
 def _tpu_fwd(v_dim, scale, interpret, block_k, q, kv, indices):
   b, t, k = indices.shape
   bk = _block_k("tpu", k, block_k)
-  idx, _ = _blocked_indices(indices, bk)
+  idx = _blocked_indices(indices, bk)
   out, lse = tpu.sparse_mla_fwd(q, tpu.prepare_kv(kv), idx.reshape(b, t, -1, bk),
                                 v_dim=v_dim, scale=scale, interpret=interpret)
   return out, lse[:, :, 0]
@@ -67,7 +71,7 @@ def _tpu_fwd(v_dim, scale, interpret, block_k, q, kv, indices):
 def _tpu_bwd(v_dim, scale, interpret, block_k, q, kv, indices, do, lse, delta):
   b, t, k = indices.shape
   bk = _block_k("tpu", k, block_k)
-  idx, _ = _blocked_indices(indices, bk)
+  idx = _blocked_indices(indices, bk)
   return tpu.sparse_mla_bwd(q, tpu.prepare_kv(kv), idx.reshape(b, t, -1, bk), do,
                             lse[:, :, None], delta[:, :, None], v_dim=v_dim, scale=scale,
                             interpret=interpret)
@@ -76,7 +80,8 @@ def _tpu_bwd(v_dim, scale, interpret, block_k, q, kv, indices, do, lse, delta):
 def _gpu_fwd(v_dim, scale, interpret, block_k, q, kv, indices):
   h = q.shape[2]
   bk = _block_k("gpu", indices.shape[-1], block_k)
-  idx, n_live = _blocked_indices(indices, bk)
+  idx = _blocked_indices(indices, bk)
+  n_live = _live_blocks(idx, bk)
   q_p, kv_p = gpu.pad_operands(q, kv, v_dim)
   out, lse = gpu.sparse_mla_fwd(q_p, kv_p, idx, n_live[..., None], v_dim=v_dim, scale=scale,
                                 block_k=bk, interpret=interpret)
@@ -86,7 +91,8 @@ def _gpu_fwd(v_dim, scale, interpret, block_k, q, kv, indices):
 def _gpu_bwd(v_dim, scale, interpret, block_k, q, kv, indices, do, lse, delta):
   b, t, h, d = q.shape
   bk = _block_k("gpu", indices.shape[-1], block_k)
-  idx, n_live = _blocked_indices(indices, bk)
+  idx = _blocked_indices(indices, bk)
+  n_live = _live_blocks(idx, bk)
   q_p, kv_p = gpu.pad_operands(q, kv, v_dim)
   hp, vp, tp = gpu.padded_dims(h, d, v_dim)
   do_p = _backend.pad_to(_backend.pad_to(do, 3, vp), 2, hp)

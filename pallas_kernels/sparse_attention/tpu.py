@@ -170,12 +170,11 @@ def _fwd_kernel(idx_smem, idx_vmem, q_ref, kv_hbm, out_ref, lse_ref,
 
   @pl.when(kb == n_kb - 1)
   def _finish():
-    l = l_ref[:, :1]
+    l = l_ref[...]                                             # [h, 128], lanes equal
     has = l > 0.0
-    inv = jnp.where(has, 1.0 / jnp.where(has, l, 1.0), 0.0)
-    out_ref[...] = (acc_ref[...] * inv).astype(out_ref.dtype)
-    l_all, has_all = l_ref[...], l_ref[...] > 0.0                 # [h, 128], lanes equal
-    lse = jnp.where(has_all, m_ref[...] + jnp.log(jnp.where(has_all, l_all, 1.0)), -jnp.inf)
+    l_safe = jnp.where(has, l, 1.0)
+    out_ref[...] = (acc_ref[...] * jnp.where(has, 1.0 / l_safe, 0.0)[:, :1]).astype(out_ref.dtype)
+    lse = jnp.where(has, m_ref[...] + jnp.log(l_safe), -jnp.inf)
     lse_ref[...] = lse.T[:1, :]                                # [1, h]
 
 
