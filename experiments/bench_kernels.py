@@ -13,9 +13,17 @@ the device's peak (`--peak_tflops` / `--peak_gbs`, measured with a large matmul
 and a large copy when 0), floor = max of the two, and the achieved fraction
 floor / time. The sizing is in `pallas_kernels.roofline`.
 
-Where both impls ran, the pallas row also says how far its outputs are from the
-xla path's on this device (`vs xla`: for the indexer the fraction of queries
-whose top-k differs, else the largest normwise relative error of any output).
+Correctness on the device, per point:
+  `vs xla`  (pallas rows) how far the kernel's outputs are from the xla path's;
+  `vs f32`  (every row) how far each impl's are from the float32 reference: the
+            xla path on float32 copies of the same inputs with every matmul at
+            HIGHEST precision (`--check_f32=false` skips it);
+  `rerun`   (pallas rows) whether a second call gave bitwise the same outputs
+            (the GPU backward adds dkv with float atomics, whose order varies).
+For the indexer the distance is the fraction of selected (query, slot) entries that
+the other selection lacks (`rows_differ` in the JSON: the fraction of queries whose
+top-k differs at all); for attention it is the largest normwise relative error,
+max|a - b| / max|b|, of any output.
 A point that fails (out of memory, a compile error) is recorded as an error row
 and the run goes on; the JSON is rewritten after every point, so a run cut short
 by a time limit still leaves what it measured.
@@ -47,6 +55,7 @@ _REPEATS = flags.DEFINE_integer("repeats", 3, "timed runs per point (median)")
 _PEAK_TFLOPS = flags.DEFINE_float("peak_tflops", 0.0, "matmul peak; 0 = measure")
 _PEAK_GBS = flags.DEFINE_float("peak_gbs", 0.0, "memory bandwidth peak; 0 = measure")
 _CHUNK = flags.DEFINE_integer("chunk_size", 256, "query chunk of both impls")
+_CHECK_F32 = flags.DEFINE_bool("check_f32", True, "compare each impl with a float32 reference")
 _TILES = {name: flags.DEFINE_integer(name, 0, f"pallas kernel tile {name}; 0 = the default")
           for name in ("sparse_block_k", "indexer_block_q", "indexer_block_k")}
 _BACKEND = flags.DEFINE_enum(
@@ -56,39 +65,15 @@ _BACKEND = flags.DEFINE_enum(
 _OUT = flags.DEFINE_string("out", "", "JSON output path (optional)")
 
 
-def measure_peaks(dtype):
-  """(TFLOP/s of a square matmul, GB/s of an elementwise copy) on the default device."""
-  on_cpu = jax.default_backend() == "cpu"
-  n = 1024 if on_cpu else 8192
-  a = jnp.ones((n, n), dtype)
-  t_mm = timing.median_time(jax.jit(lambda x: x @ x), a, repeats=3)
-  m = (16 if on_cpu else 1024) * 2 ** 20 // 4
-  x = jnp.ones((m,), jnp.float32)
-  t_cp = timing.median_time(jax.jit(lambda v: v * 2.0), x, repeats=3)
-  return 2 * n ** 3 / t_mm / 1e12, 2 * m * 4 / t_cp / 1e9
-
-
-def _inputs(seed, shape, b, t, dtype):
-  """Random indexer inputs (scales folded in, spec §2.4) and MLA q, kv, drawn on device."""
-  ks = jax.random.split(jax.random.key(seed), 5)
-  h, d, h_i, d_i = shape["h"], shape["d_qk"], shape["h_i"], shape["d_i"]
-
-  def draw():
-    n = lambda k, shp, sc=1.0: (jax.random.normal(k, shp, jnp.float32) * sc).astype(dtype)
-    return (n(ks[0], (b, t, h_i, d_i), d_i ** -0.5), n(ks[1], (b, t, d_i)),
-            n(ks[2], (b, t, h_i), h_i ** -0.5), n(ks[3], (b, t, h, d)), n(ks[4], (b, t, d)))
-  return jax.jit(draw)()
-
-
 def bench(shape, lengths, ops, impls, batch, dtype, repeats, peak_tflops, peak_gbs, chunk,
-          backend, tiles=None, on_row=lambda rows: None):
+          backend, tiles=None, on_row=lambda rows: None, check_f32=True):
   """Times every (length, op, impl); a failure (e.g. out of memory) becomes an error row.
 
   on_row(rows) runs after each row, so a run cut short still leaves its results.
   """
   rows = []
   for t in lengths:
-    qi, ki, wi, q, kv = _inputs(t, shape, batch, t, dtype)
+    qi, ki, wi, q, kv = kernel_ops.random_inputs(t, shape, batch, t, dtype)
     # The selection the model would make (xla path: robust; not timed here).
     idx = jax.jit(lambda q, k, w: lightning_indexer.topk_indices(
         q, k, w, shape["topk"], chunk_size=chunk))(qi, ki, wi)
@@ -107,6 +92,8 @@ def bench(shape, lengths, ops, impls, batch, dtype, repeats, peak_tflops, peak_g
           row.update(seconds=secs, fraction=floor_s / secs)
           outputs[impl] = fn(*args)
           print(f"  {op} t={t} {impl}: {secs * 1e3:.2f} ms", flush=True)
+          if impl == "pallas":
+            row["rerun"] = _identical(outputs[impl], fn(*args))
         except Exception as e:  # pylint: disable=broad-except
           row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
           print(f"  {op} t={t} {impl}: FAILED {row['error']}", flush=True)
@@ -114,29 +101,88 @@ def bench(shape, lengths, ops, impls, batch, dtype, repeats, peak_tflops, peak_g
         op_rows[impl] = row
         on_row(rows)
       if "pallas" in outputs and "xla" in outputs:   # the kernel checked on this device
-        op_rows["pallas"]["vs_xla"] = _mismatch(op, outputs["pallas"], outputs["xla"])
-        print(f"  {op} t={t} pallas vs xla: {op_rows['pallas']['vs_xla']:.3g}", flush=True)
+        _check(op_rows["pallas"], "vs_xla", op, outputs["pallas"], outputs["xla"])
         on_row(rows)
+      if check_f32 and outputs:
+        try:
+          want = f32_reference(op, shape, chunk)(*args)
+          for impl, got in outputs.items():
+            _check(op_rows[impl], "vs_f32", op, got, want)
+          del want
+        except Exception as e:  # pylint: disable=broad-except
+          err = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+          for name in outputs:
+            op_rows[name]["vs_f32_error"] = err
+          print(f"  {op} t={t} f32 reference FAILED {err}", flush=True)
+        on_row(rows)
+      del outputs
   return rows
 
 
-def _mismatch(op, got, want) -> float:
-  """pallas vs xla on the device: the fraction of query rows whose top-k differs (indexer), or
-  the largest normwise relative error, max|a - b| / max|b| over each output (attention)."""
+def f32_reference(op, shape, chunk):
+  """The xla path on float32 copies of the inputs, every matmul at HIGHEST precision."""
+  fn = kernel_ops.op_fn(op, "xla", shape, None, chunk)
+  up = lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a
+
+  def ref(*args):
+    with jax.default_matmul_precision("highest"):
+      return fn(*map(up, args))
+  return ref
+
+
+def _check(row, key, op, got, want):
+  """Stores mismatch(op, got, want) in row[key] (an error string where it fails), prints it."""
+  try:
+    row.update(mismatch(op, got, want, prefix=key))
+    print(f"  {op} t={row['seq_len']} {row['impl']} {key}: {row[key]:.3g}", flush=True)
+  except Exception as e:  # pylint: disable=broad-except
+    row[key + "_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    print(f"  {op} t={row['seq_len']} {row['impl']} {key}: FAILED {row[key + '_error']}",
+          flush=True)
+
+
+@jax.jit
+def _normwise_error(a, b):
+  """max|a - b| / max|b| over b's finite entries, in float32 (fused: no float32 copies)."""
+  a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+  finite = jnp.isfinite(b)
+  scale = jnp.max(jnp.where(finite, jnp.abs(b), 0.0))
+  return jnp.max(jnp.where(finite, jnp.abs(a - b), 0.0)) / jnp.maximum(scale, 1e-30)
+
+
+@jax.jit
+def _selection_mismatch(got_btk, want_btk):
+  """(fraction of want's valid (query, slot) entries missing from got's row, fraction of rows
+  whose selection differs as a set)."""
+  k = got_btk.shape[-1]
+  got = jnp.sort(got_btk.reshape(-1, k), axis=-1)
+  want = want_btk.reshape(-1, k)
+
+  def missing(g, w):
+    found = g[jnp.minimum(jnp.searchsorted(g, w), k - 1)] == w
+    return (w >= 0) & ~found
+
+  miss = jax.vmap(missing)(got, want)
+  n_valid = jnp.maximum(jnp.sum(want >= 0), 1)
+  return jnp.sum(miss) / n_valid, jnp.mean(jnp.any(miss, axis=-1))
+
+
+def mismatch(op, got, want, prefix="vs") -> dict:
+  """{prefix: distance} (and for the indexer {prefix_rows_differ: ...}); see the docstring."""
   if op == "indexer":
-    return float(jnp.mean(jnp.any(got != want, axis=-1)))
-  errs = []
-  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-    finite = jnp.isfinite(b)
-    scale = jnp.max(jnp.where(finite, jnp.abs(b), 0.0))
-    errs.append(float(jnp.max(jnp.where(finite, jnp.abs(a - b), 0.0)) / jnp.maximum(scale, 1e-30)))
-  return max(errs)
+    slots, rows = _selection_mismatch(got, want)
+    return {prefix: float(slots), prefix + "_rows_differ": float(rows)}
+  return {prefix: max(float(_normwise_error(a, b))
+                      for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))}
+
+
+def _identical(a, b) -> bool:
+  return all(bool(jnp.array_equal(x, y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 def table(rows) -> str:
   head = (f"{'op':<15}{'seq':>8} {'impl':<7}{'time ms':>11}{'GFLOP':>11}{'MB':>11}"
-          f"{'floor ms':>11} {'bound':<8}{'fraction':>9}{'vs xla':>10}")
+          f"{'floor ms':>11} {'bound':<8}{'fraction':>9}{'vs xla':>10}{'vs f32':>10}{'rerun':>8}")
   lines = [head, "-" * len(head)]
   for r in rows:
     if "error" in r:
@@ -145,7 +191,8 @@ def table(rows) -> str:
     lines.append(f"{r['op']:<15}{r['seq_len']:>8} {r['impl']:<7}{r['seconds'] * 1e3:>11.4g}"
                  f"{r['gflop']:>11.4g}{r['mbytes']:>11.4g}{r['floor_seconds'] * 1e3:>11.4g} "
                  f"{r['bound']:<8}{r['fraction']:>9.3%}"
-                 + (f"{r['vs_xla']:>10.2g}" if "vs_xla" in r else ""))
+                 + "".join(f"{r[k]:>10.2g}" if k in r else f"{'-':>10}" for k in ("vs_xla", "vs_f32"))
+                 + (f"{('same' if r['rerun'] else 'differs'):>8}" if "rerun" in r else ""))
   return "\n".join(lines)
 
 
@@ -155,7 +202,7 @@ def main(argv):
   dtype = jnp.dtype(_DTYPE.value)
   peak_tflops, peak_gbs = _PEAK_TFLOPS.value, _PEAK_GBS.value
   if not peak_tflops or not peak_gbs:
-    m_tflops, m_gbs = measure_peaks(dtype)
+    m_tflops, m_gbs = kernel_ops.measure_peaks(dtype)
     peak_tflops, peak_gbs = peak_tflops or m_tflops, peak_gbs or m_gbs
   device = jax.devices()[0].device_kind
   print(f"device: {device} ({jax.default_backend()}); peak {peak_tflops:.2f} TFLOP/s, "
@@ -177,7 +224,7 @@ def main(argv):
 
   rows = bench(kernel_ops.SHAPES[_SHAPE.value], [int(x) for x in _LENGTHS.value], _OPS.value,
                _IMPLS.value, _BATCH.value, dtype, _REPEATS.value, peak_tflops, peak_gbs,
-               _CHUNK.value, backend, tiles=tiles, on_row=write)
+               _CHUNK.value, backend, tiles=tiles, on_row=write, check_f32=_CHECK_F32.value)
   print(table(rows))
   if _OUT.value:
     print(f"wrote {_OUT.value}")

@@ -7,13 +7,14 @@ Shared by `bench_kernels.py` (timing on a device), `aot_tpu_kernels.py` and
 import jax
 import jax.numpy as jnp
 
+from glm5_jax import timing
 from pallas_kernels import lightning_indexer
 from pallas_kernels import sparse_attention
 from pallas_kernels.lightning_indexer import kernel as indexer_kernel
 from pallas_kernels.sparse_attention import kernel as sparse_kernel
 
 SHAPES = {
-    # h, d_qk, v_dim, h_i, d_i, topk (GLM-5 spec §1)
+    # h, d_qk, v_dim, h_i, d_i, topk (the released GLM-5 config)
     "glm5": dict(h=64, d_qk=576, v_dim=512, h_i=32, d_i=128, topk=2048),
     "tiny": dict(h=4, d_qk=24, v_dim=16, h_i=4, d_i=16, topk=16),
 }
@@ -69,3 +70,27 @@ def arg_shapes(op, shape, b, t, dtype=jnp.bfloat16, sharding=None):
             sds((b, t, shape["h_i"]), jnp.float32))
   return (sds((b, t, shape["h"], shape["d_qk"]), dtype), sds((b, t, shape["d_qk"]), dtype),
           sds((b, t, shape["topk"]), jnp.int32))
+
+
+def measure_peaks(dtype):
+  """(TFLOP/s of a square matmul, GB/s of an elementwise copy) on the default device."""
+  on_cpu = jax.default_backend() == "cpu"
+  n = 1024 if on_cpu else 8192
+  a = jnp.ones((n, n), dtype)
+  t_mm = timing.median_time(jax.jit(lambda x: x @ x), a, repeats=3)
+  m = (16 if on_cpu else 1024) * 2 ** 20 // 4
+  x = jnp.ones((m,), jnp.float32)
+  t_cp = timing.median_time(jax.jit(lambda v: v * 2.0), x, repeats=3)
+  return 2 * n ** 3 / t_mm / 1e12, 2 * m * 4 / t_cp / 1e9
+
+
+def random_inputs(seed, shape, b, t, dtype):
+  """Random indexer inputs (scales folded in, as the model does) and MLA q, kv, on device."""
+  ks = jax.random.split(jax.random.key(seed), 5)
+  h, d, h_i, d_i = shape["h"], shape["d_qk"], shape["h_i"], shape["d_i"]
+
+  def draw():
+    n = lambda k, shp, sc=1.0: (jax.random.normal(k, shp, jnp.float32) * sc).astype(dtype)
+    return (n(ks[0], (b, t, h_i, d_i), d_i ** -0.5), n(ks[1], (b, t, d_i)),
+            n(ks[2], (b, t, h_i), h_i ** -0.5), n(ks[3], (b, t, h, d)), n(ks[4], (b, t, d)))
+  return jax.jit(draw)()

@@ -10,6 +10,7 @@ ragged last block (topk not a multiple of the block).
 """
 
 import functools
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -151,3 +152,22 @@ def test_illegal_block_is_rejected(backend, block_k):
   with pytest.raises(ValueError, match="block_k"):
     kernel.sparse_mla(q, kv, idx, v_dim=16, scale=1.0, interpret=True, backend=backend,
                       block_k=block_k)
+
+
+def test_reference_kv_gradient_accumulates_in_float32():
+  # Many queries (in several chunks) select the same few rows, so dkv is a long sum. Summed in
+  # bfloat16 it was 0.4-0.6 off a float32 reference at GLM-5 shapes on an H200; the reference
+  # now sums it in float32 and only rounds the result.
+  seed = zlib.crc32(b"test_reference_kv_gradient_accumulates_in_float32")
+  q32, kv32 = testing.mla_inputs(seed, b=1, t=512, s=16, h=4, d=24)
+  idx = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (1, 512, 16))
+
+  def dkv(q, kv):
+    loss = lambda kv: jnp.sum(reference.sparse_mla_reference(
+        q, kv, idx, v_dim=16, scale=0.2, chunk_size=32)[0].astype(jnp.float32))
+    return jax.jit(jax.grad(loss))(kv)
+
+  want = dkv(q32, kv32)
+  got = dkv(q32.astype(jnp.bfloat16), kv32.astype(jnp.bfloat16))
+  assert got.dtype == jnp.bfloat16
+  testing.assert_rel_close(got, want, REL[jnp.bfloat16], "dkv")

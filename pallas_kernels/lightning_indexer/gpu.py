@@ -23,10 +23,11 @@ from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels import _backend
 
-DEFAULT_BLOCK_Q = 32
-DEFAULT_BLOCK_K = 64
+DEFAULT_BLOCK_Q = 64     # tiles and warps: the H200 sweep, docs/benchmarks.md
+DEFAULT_BLOCK_K = 128
 MIN_DIM = 16
-NUM_WARPS = 4
+NUM_WARPS = 8
+NUM_STAGES = 2
 
 
 def _scores_kernel(q0_ref, q_ref, k_ref, w_ref, o_ref, *, precision):
@@ -51,7 +52,7 @@ def _scores_kernel(q0_ref, q_ref, k_ref, w_ref, o_ref, *, precision):
 
 
 def index_scores_chunk(q0, q_bjcd, k_bsd, w_bcj, *, block_q: int, block_k: int,
-                       interpret=False):
+                       interpret=False, num_warps=NUM_WARPS, num_stages=NUM_STAGES):
   """Scores of one query chunk against all keys (see `tpu.index_scores_chunk`).
 
   Args:
@@ -60,6 +61,7 @@ def index_scores_chunk(q0, q_bjcd, k_bsd, w_bcj, *, block_q: int, block_k: int,
     k_bsd: [b, s, d], s % block_k == 0.
     w_bcj: [b, c, h_i].
     block_q, block_k: powers of two >= 16.
+    num_warps, num_stages: Triton compile options.
 
   Returns:
     float32 [b, c, s].
@@ -78,7 +80,7 @@ def index_scores_chunk(q0, q_bjcd, k_bsd, w_bcj, *, block_q: int, block_k: int,
       ],
       out_specs=pl.BlockSpec((None, block_q, block_k), lambda bi, qi, ki: (bi, qi, ki)),
       out_shape=jax.ShapeDtypeStruct((b, c, s), jnp.float32),
-      compiler_params=pltr.CompilerParams(num_warps=NUM_WARPS, num_stages=2),
+      compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=_backend.gpu_interpret(interpret),
       name="lightning_indexer_scores",
   )(q0, q_bjcd, k_bsd, w_bcj)

@@ -21,7 +21,9 @@ dimension; a `fori_loop` over the n_live blocks of bk slots gathers the rows,
   s = q_v . rows_v^T + q_tail . rows_tail^T          [hp, bk]
 and runs the online softmax (m, l, acc [hp, v]) in registers; q is loaded once,
 before the loop, and stays in shared memory (GLM-5 shapes: 221,440 B, 204 B of
-spill stores, 2 stages of gathered rows).
+spill stores at 2 stages of gathered rows). Timed on an H200 (docs/benchmarks.md): 3 stages
+of bk = 64 rows on 8 warps, the default, 38.9 ms at 32K tokens (36.9% of the roofline floor);
+bk = 128 at 1 stage 38.3 ms; 2 stages 40.4 ms; 4 or 16 warps 2-6x slower.
 
 Backward, grid (b, t), one program per query, no recomputation beyond p:
   [q_v; do]                [2hp, v]   stacked by the caller (`stack_q_do`), loaded once
@@ -53,7 +55,9 @@ The dq accumulator takes 144 of the 255 registers per thread (8 warps).
   query. Not chosen: separate dq and dkv kernels (1.4x FLOPs, 2x gathers; still spilled
   1.4-2.8 KB and needed 1 stage); two head groups per query (2x gathers and atomics,
   M = 32 matmuls without wgmma; not built).
-None of this is timed: no GPU was available; the numbers above are compiler output.
+The numbers above are compiler output. Timed on an H200 at 32K tokens: the backward alone
+takes 112.5 ms (32.3% of its floor), bk = 32 128 ms, bk = 16 at 2 stages 155 ms, 4 or 16
+warps 2.5-3x slower; forward + backward is 33.3% of the roofline at 32K (docs/benchmarks.md).
 
 `pltr.atomic_add` lowers to an acquire-release atomic, i.e. a `MEMBAR.ALL.GPU` fence before
 every 16-byte atomic (36 per block of 64 slots here); dkv needs atomicity only, so the
@@ -90,7 +94,7 @@ except (ImportError, AttributeError) as _e:  # jax internals moved: correct, but
 DEFAULT_BLOCK_K = 64      # slots per loop step
 MIN_DIM = 16              # tl.dot needs M, N, K >= 16
 NUM_WARPS = 8
-FWD_STAGES = 2            # software pipelining of the forward's gathers
+FWD_STAGES = 3            # software pipelining of the forward's gathers (H200 sweep)
 BWD_STAGES = 1            # the backward's resident [q_v; do] leaves no room for a 2nd stage
 BWD_CHUNK = 128           # value columns per backward dkv tile (and dq accumulator)
 
@@ -189,7 +193,8 @@ def _fwd_kernel(nlive_ref, idx_ref, q_ref, kv_ref, out_ref, lse_ref, *, scale, v
   lse_ref[...] = jnp.where(has, m + jnp.log(l_safe), -jnp.inf)
 
 
-def sparse_mla_fwd(q, kv, idx_btk, nlive_bt1, *, v_dim, scale, block_k, interpret=False):
+def sparse_mla_fwd(q, kv, idx_btk, nlive_bt1, *, v_dim, scale, block_k, interpret=False,
+                   num_warps=NUM_WARPS, num_stages=FWD_STAGES):
   """Forward kernel on padded operands (see `pad_operands`).
 
   Args:
@@ -198,6 +203,7 @@ def sparse_mla_fwd(q, kv, idx_btk, nlive_bt1, *, v_dim, scale, block_k, interpre
     nlive_bt1: [b, t, 1] int32 live blocks per query.
     v_dim: unpadded value width (vp and tp follow from it).
     block_k: bk, a power of two >= 16.
+    num_warps, num_stages: Triton compile options (`experiments/tune_gpu_kernels.py`).
 
   Returns:
     out [b, t, hp, vp] (q.dtype), lse [b, t, hp] float32.
@@ -222,7 +228,7 @@ def sparse_mla_fwd(q, kv, idx_btk, nlive_bt1, *, v_dim, scale, block_k, interpre
                  pl.BlockSpec((None, None, hp), lambda i, j: (i, j, 0))],
       out_shape=[jax.ShapeDtypeStruct((b, t, hp, vp), q.dtype),
                  jax.ShapeDtypeStruct((b, t, hp), jnp.float32)],
-      compiler_params=pltr.CompilerParams(num_warps=NUM_WARPS, num_stages=FWD_STAGES),
+      compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=_backend.gpu_interpret(interpret),
       name="sparse_mla_fwd",
   )(nlive_bt1, idx_btk, q, kv)
@@ -308,7 +314,7 @@ def _bwd_kernel(nlive_ref, idx_ref, qdo_ref, q_ref, kv_ref, lse_ref, delta_ref, 
 
 
 def sparse_mla_bwd(q, kv, idx_btk, nlive_bt1, do, lse_bth, delta_bth, *, v_dim, scale,
-                   block_k, interpret=False):
+                   block_k, interpret=False, num_warps=NUM_WARPS, num_stages=BWD_STAGES):
   """Backward kernel on padded operands.
 
   Args:
@@ -316,6 +322,7 @@ def sparse_mla_bwd(q, kv, idx_btk, nlive_bt1, do, lse_bth, delta_bth, *, v_dim, 
     do: [b, t, hp, vp] output cotangent (zero-padded).
     lse_bth, delta_bth: [b, t, hp] float32; delta = sum(do * out) - dlse.
     block_k: bk, a power of two >= 16 (GLM-5 shapes fit the shared memory up to 64).
+    num_warps, num_stages: Triton compile options.
 
   Returns:
     dq [b, t, hp, vp + tp] (q.dtype), dkv [b, s, vp + tp] float32.
@@ -348,7 +355,7 @@ def sparse_mla_bwd(q, kv, idx_btk, nlive_bt1, do, lse_bth, delta_bth, *, v_dim, 
       out_shape=[jax.ShapeDtypeStruct((b, t, hp, dp), q.dtype),
                  jax.ShapeDtypeStruct((b, s + 1, dp), jnp.float32)],
       input_output_aliases={7: 1},
-      compiler_params=pltr.CompilerParams(num_warps=NUM_WARPS, num_stages=BWD_STAGES),
+      compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=_backend.gpu_interpret(interpret),
       name="sparse_mla_bwd",
   )(nlive_bt1, idx_btk, qdo, q, kv, lse_bth, delta_bth, dkv0)

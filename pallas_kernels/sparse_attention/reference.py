@@ -31,8 +31,8 @@ def _gather_rows(kv_bsd, idx_bck):
   return jax.vmap(lambda kv_sd, i_ck: kv_sd[i_ck])(kv_bsd, safe)
 
 
-def _attend_chunk(q_bchd, kv_bsd, idx_bck, v_dim: int, scale: float):
-  rows_bckd = _gather_rows(kv_bsd, idx_bck)
+def _attend_chunk(q_bchd, kv_bsd, idx_bck, v_dim: int, scale: float, dtype=None):
+  rows_bckd = _gather_rows(kv_bsd, idx_bck).astype(dtype or kv_bsd.dtype)
   logits = jnp.einsum("bchd,bckd->bchk", q_bchd, rows_bckd,
                       preferred_element_type=jnp.float32) * scale
   valid_bck = idx_bck >= 0
@@ -77,10 +77,15 @@ def sparse_mla_reference(q, kv, indices, *, v_dim: int, scale: float, chunk_size
   q_c = _pad_to(q, 1, c).reshape(b, n, c, h, d).swapaxes(0, 1)
   i_c = _pad_to(indices, 1, c, value=-1).reshape(b, n, c, -1).swapaxes(0, 1)
 
+  # The chunks gather from a float32 view of kv, so kv's gradient (a scatter-add over every
+  # query that selected a row, summed across chunks) accumulates in float32; in bfloat16 it
+  # was 0.4-0.6 off a float32 reference at 8K-128K tokens on an H200 (docs/benchmarks.md).
+  kv32 = kv.astype(jnp.float32)
+
   @jax.checkpoint
   def one_chunk(args):
     q_bchd, idx_bck = args
-    return _attend_chunk(q_bchd, kv, idx_bck, v_dim, scale)
+    return _attend_chunk(q_bchd, kv32, idx_bck, v_dim, scale, kv.dtype)
 
   out, lse = jax.lax.map(one_chunk, (q_c, i_c))
   out = out.swapaxes(0, 1).reshape(b, n * c, h, v_dim)[:, :t]

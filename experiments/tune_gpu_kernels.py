@@ -1,0 +1,211 @@
+r"""Sweep of the GPU (Triton) kernels' tiles, warps and pipeline stages at one length.
+
+  # on a CUDA GPU, GLM-5 shapes:
+  python -m experiments.tune_gpu_kernels --seq_len=32768 --out=tune_gpu_kernels.json
+  # CPU (Triton interpreter; checks the script only, times mean nothing):
+  python -m experiments.tune_gpu_kernels --shape=tiny --seq_len=128
+
+Times each kernel alone on operands already in its layout, so the numbers are kernel
+time, not the wrappers' padding or the custom_vjp's delta:
+  sparse_fwd      `gpu.sparse_mla_fwd`   over (block_k, num_warps, num_stages)
+  sparse_bwd      `gpu.sparse_mla_bwd`   over the same (lse from the forward, do = 1)
+  indexer_scores  `gpu.index_scores_chunk` over all t queries at once, over
+                  (block_q, block_k, num_warps, num_stages)
+  indexer_topk    the deterministic top-k of those scores in query chunks (XLA; no
+                  tiles: it says how much of `indexer` in bench_kernels is selection)
+A configuration that does not compile (shared memory, registers) is an error row. Each row
+has the roofline fraction of its op (`pallas_kernels.roofline`; the backward's floor is
+fwd_bwd's minus fwd's) and `vs first`: the largest difference of its output from the first
+configuration's, relative to that output's largest magnitude, over entries finite in both
+(the configurations compute the same sums in other orders, so small but not always zero;
+the indexer's causal-dead tiles hold -inf, and which tiles are dead depends on the tile). The JSON is rewritten after
+every row; the winners become the defaults in the kernels' `gpu.py`.
+"""
+
+import itertools
+import json
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+
+from experiments import kernel_ops
+from glm5_jax import timing
+from pallas_kernels import lightning_indexer
+from pallas_kernels import roofline
+from pallas_kernels.lightning_indexer import gpu as indexer_gpu
+from pallas_kernels.lightning_indexer import reference as indexer_reference
+from pallas_kernels.sparse_attention import gpu as sparse_gpu
+from pallas_kernels.sparse_attention import kernel as sparse_kernel
+
+KERNELS = ("sparse_fwd", "sparse_bwd", "indexer_scores", "indexer_topk")
+# (block_k, num_warps, num_stages); the first row is the current default.
+SPARSE_FWD = [(64, 8, 3)] + [c for c in itertools.product((32, 64, 128), (4, 8, 16), (1, 2, 3))
+                             if c != (64, 8, 3)]
+SPARSE_BWD = [(64, 8, 1), (32, 8, 1), (32, 8, 2), (16, 8, 1), (16, 8, 2), (64, 4, 1),
+              (64, 16, 1)]
+# (block_q, block_k, num_warps, num_stages)
+INDEXER = [(64, 128, 8, 2), (32, 64, 4, 2), (64, 64, 4, 2), (32, 128, 4, 2), (64, 128, 4, 2),
+           (128, 64, 8, 2), (128, 128, 8, 2), (64, 128, 8, 3), (64, 128, 16, 2),
+           (128, 128, 16, 2), (64, 256, 8, 2)]
+
+_SHAPE = flags.DEFINE_enum("shape", "glm5", list(kernel_ops.SHAPES), "head/dim preset")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 32768, "t = s")
+_KERNELS = flags.DEFINE_list("kernels", list(KERNELS), f"subset of {KERNELS}")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "timed runs per configuration (median)")
+_CHUNK = flags.DEFINE_integer("chunk_size", 256, "query chunk of the top-k selection")
+_PEAK_TFLOPS = flags.DEFINE_float("peak_tflops", 0.0, "matmul peak; 0 = measure")
+_PEAK_GBS = flags.DEFINE_float("peak_gbs", 0.0, "memory bandwidth peak; 0 = measure")
+_OUT = flags.DEFINE_string("out", "", "JSON output path (optional)")
+
+
+def _rel_diff(a, b):
+  """Over entries finite in both (the indexer's causal-dead tiles are -inf, at tile size)."""
+  a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+  fin = jnp.isfinite(a) & jnp.isfinite(b)
+  return jnp.max(jnp.where(fin, jnp.abs(a - b), 0.0)) / jnp.maximum(
+      jnp.max(jnp.where(fin, jnp.abs(b), 0.0)), 1e-30)
+
+
+_rel_diff_jit = jax.jit(_rel_diff)
+
+
+def sparse_operands(shape, t, dtype, chunk):
+  """Padded q, kv, blocked indices and n_live per block size, as `kernel._gpu_fwd` builds."""
+  qi, ki, wi, q, kv = kernel_ops.random_inputs(t, shape, 1, t, dtype)
+  idx = jax.jit(lambda q, k, w: lightning_indexer.topk_indices(
+      q, k, w, shape["topk"], chunk_size=chunk))(qi, ki, wi)
+  q_p, kv_p = sparse_gpu.pad_operands(q, kv, shape["v_dim"])
+  n_valid = int(jnp.sum(idx >= 0))
+  return (qi, ki, wi), (q_p, kv_p, idx), n_valid
+
+
+def _blocked(idx, bk):
+  idx_b = sparse_kernel._blocked_indices(idx, bk)  # pylint: disable=protected-access
+  return idx_b, sparse_kernel._live_blocks(idx_b, bk)[..., None]  # pylint: disable=protected-access
+
+
+def configs_and_fns(kernel, shape, t, ops, chunk, interpret):
+  """[(config dict, jitted fn, args)] for `kernel`."""
+  (qi, ki, wi), (q_p, kv_p, idx), _ = ops
+  v, scale = shape["v_dim"], shape["d_qk"] ** -0.5
+  out = []
+  if kernel in ("sparse_fwd", "sparse_bwd"):
+    table = SPARSE_FWD if kernel == "sparse_fwd" else SPARSE_BWD
+    for bk, warps, stages in table:
+      idx_b, live = _blocked(idx, bk)
+      cfg = dict(block_k=bk, num_warps=warps, num_stages=stages)
+      if kernel == "sparse_fwd":
+        fn = jax.jit(lambda q, kv, i, n, bk=bk, w=warps, st=stages: sparse_gpu.sparse_mla_fwd(
+            q, kv, i, n, v_dim=v, scale=scale, block_k=bk, interpret=interpret, num_warps=w,
+            num_stages=st))
+        out.append((cfg, fn, (q_p, kv_p, idx_b, live)))
+      else:
+        o, lse = jax.jit(lambda q, kv, i, n: sparse_gpu.sparse_mla_fwd(
+            q, kv, i, n, v_dim=v, scale=scale, block_k=bk, interpret=interpret))(
+                q_p, kv_p, idx_b, live)
+        do = jnp.ones_like(o)
+        delta = jnp.sum(o.astype(jnp.float32), axis=-1)
+        lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+        fn = jax.jit(lambda q, kv, i, n, do, lse, dl, bk=bk, w=warps, st=stages:
+                     sparse_gpu.sparse_mla_bwd(q, kv, i, n, do, lse, dl, v_dim=v, scale=scale,
+                                               block_k=bk, interpret=interpret, num_warps=w,
+                                               num_stages=st))
+        out.append((cfg, fn, (q_p, kv_p, idx_b, live, do, lse, delta)))
+    return out
+  q_bjcd = jnp.swapaxes(qi, 1, 2)
+  q0 = jnp.zeros((1,), jnp.int32)
+  if kernel == "indexer_scores":
+    for bq, bk, warps, stages in INDEXER:
+      if t % bq or t % bk:
+        continue
+      cfg = dict(block_q=bq, block_k=bk, num_warps=warps, num_stages=stages)
+      fn = jax.jit(lambda q0, q, k, w, bq=bq, bk=bk, wa=warps, st=stages:
+                   indexer_gpu.index_scores_chunk(q0, q, k, w, block_q=bq, block_k=bk,
+                                                  interpret=interpret, num_warps=wa,
+                                                  num_stages=st))
+      out.append((cfg, fn, (q0, q_bjcd, ki, wi)))
+    return out
+  # indexer_topk: the XLA selection of precomputed (kernel) scores, in query chunks.
+  bq, bk = min(indexer_gpu.DEFAULT_BLOCK_Q, t), min(indexer_gpu.DEFAULT_BLOCK_K, t)
+  scores = jax.jit(lambda q0, q, k, w: indexer_gpu.index_scores_chunk(
+      q0, q, k, w, block_q=bq, block_k=bk, interpret=interpret))(q0, q_bjcd, ki, wi)
+  c = min(chunk, t)
+
+  def topk(scores_bts):
+    n = t // c
+    sc = scores_bts.reshape(1, n, c, t).swapaxes(0, 1)
+    lim = indexer_reference.causal_limit(t, t).reshape(n, c)
+    return jax.lax.map(lambda a: indexer_reference.deterministic_topk(
+        a[0], a[1], shape["topk"]), (sc, lim))
+  out.append((dict(chunk_size=c), jax.jit(topk), (scores,)))
+  return out
+
+
+def op_cost(kernel, shape, t, n_valid, dtype):
+  dims = dict(b=1, t=t, s=t, n_valid=n_valid, dtype=dtype, **shape)
+  if kernel == "sparse_fwd":
+    return roofline.cost("sparse_fwd", **dims)
+  if kernel == "sparse_bwd":
+    fb, f = roofline.cost("sparse_fwd_bwd", **dims), roofline.cost("sparse_fwd", **dims)
+    return roofline.Cost(fb.flops - f.flops, fb.bytes - f.bytes)
+  if kernel == "indexer_scores":
+    c = roofline.cost("indexer", **dims)
+    return roofline.Cost(c.flops, c.bytes + t * t * 4)     # + the score matrix written
+  return roofline.Cost(0.0, t * t * 4)                     # top-k: the scores read once
+
+
+def main(argv):
+  del argv
+  unknown = set(_KERNELS.value) - set(KERNELS)
+  if unknown:
+    raise ValueError(f"--kernels: {sorted(unknown)} unknown; expected a subset of {KERNELS}")
+  shape, t, dtype = kernel_ops.SHAPES[_SHAPE.value], _SEQ_LEN.value, jnp.bfloat16
+  interpret = jax.default_backend() == "cpu"
+  peak_tflops, peak_gbs = _PEAK_TFLOPS.value, _PEAK_GBS.value
+  if not peak_tflops or not peak_gbs:
+    m_tflops, m_gbs = kernel_ops.measure_peaks(dtype)
+    peak_tflops, peak_gbs = peak_tflops or m_tflops, peak_gbs or m_gbs
+  device = jax.devices()[0].device_kind
+  print(f"device: {device}; peak {peak_tflops:.1f} TFLOP/s, {peak_gbs:.0f} GB/s; "
+        f"shape {_SHAPE.value}; t = s = {t}", flush=True)
+  ops = sparse_operands(shape, t, dtype, _CHUNK.value)
+  rows = []
+
+  def write():
+    if _OUT.value:
+      with open(_OUT.value, "w") as f:
+        json.dump(dict(device=device, shape=_SHAPE.value, seq_len=t, peak_tflops=peak_tflops,
+                       peak_gbs=peak_gbs, rows=rows), f, indent=1)
+
+  for kernel in _KERNELS.value:
+    cost = op_cost(kernel, shape, t, ops[2], dtype)
+    floor_s = roofline.floor_seconds(cost, peak_tflops, peak_gbs)
+    first = None
+    for cfg, fn, args in configs_and_fns(kernel, shape, t, ops, _CHUNK.value, interpret):
+      row = dict(kernel=kernel, floor_seconds=floor_s, **cfg)
+      try:
+        secs = timing.median_time(fn, *args, repeats=_REPEATS.value)
+        res = jax.tree.leaves(fn(*args))[0]
+        row.update(seconds=secs, fraction=floor_s / secs)
+        if first is None:
+          first = res
+        row["vs_first"] = float(_rel_diff_jit(res, first))
+        del res
+      except Exception as e:  # pylint: disable=broad-except
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+      rows.append(row)
+      write()
+      cfg_s = " ".join(f"{k}={v}" for k, v in cfg.items())
+      print(f"  {kernel:<15} {cfg_s:<48} " + (
+          f"FAILED {row['error']}" if "error" in row else
+          f"{row['seconds'] * 1e3:9.3f} ms  {row['fraction']:7.2%}  vs first "
+          f"{row['vs_first']:.2g}"), flush=True)
+    del first
+  if _OUT.value:
+    print(f"wrote {_OUT.value}")
+
+
+if __name__ == "__main__":
+  app.run(main)
