@@ -14,7 +14,10 @@ from configs import common
 def get_config(arg=None):
   a = common.parse_arg(arg, quick=False)
   c = ml_collections.ConfigDict()
-  c.model = ml_collections.ConfigDict(dict(preset="tiny", attention_type="dense"))
+  # The tiny preset as it was when docs/muon_split_ablation.md was measured: bytes only (vocab
+  # 256, byte 1 between files), without the GLM special-token ids the preset has since gained.
+  c.model = ml_collections.ConfigDict(dict(preset="tiny", attention_type="dense", vocab_size=256,
+                                           bos_token_id=0, eos_token_id=1))
   c.seeds = (0, 1, 2)
   c.steps = 240
   c.batch_size = 8

@@ -3,7 +3,7 @@ r"""Muon Split ablation (GLM-5, arXiv 2602.15763): AdamW vs whole-matrix Muon vs
   python -m experiments.muon_split_ablation --config=configs/muon_split_ablation.py
 
 Every variant trains the tiny GLM-5 model from the same initialization (per seed) on the same
-batches (per seed) of byte-level Python standard-library source (vocab 256 = the tiny preset's),
+batches (per seed) of byte-level Python standard-library source (vocab 256: the config pins it),
 and is evaluated on the same held-out windows from held-out files. Writes
 `{out_prefix}.json` (all curves), `{out_prefix}.png` (held-out loss, mean and range over seeds)
 and the results table into `{out_prefix}.md` (between the results markers; text outside them is

@@ -7,9 +7,10 @@ r"""Samples a continuation of a prompt with the KV-cached inference engine.
 safetensors, read by glm5_jax.hf.load_pretrained) or a pretraining workdir
 (orbax checkpoints, its latest step). Without --checkpoint, --preset builds
 random weights (smoke runs).
-The prompt is tokenized byte-level (one id per UTF-8 byte, the tiny preset's
-256-token vocabulary); --prompt_ids passes token ids directly for any vocabulary.
-Prints the continuation (bytes decoded with replacement) and tokens/s.
+The prompt is tokenized byte-level (one id per UTF-8 byte; the tiny preset's vocabulary
+holds the bytes and GLM's special tokens); --prompt_ids passes token ids directly for any
+vocabulary. Prints the continuation (byte-level prompts: decoded, special tokens by name) and
+tokens/s.
 """
 
 
@@ -17,6 +18,7 @@ from absl import app
 from absl import flags
 
 from glm5_jax import config as config_lib
+from glm5_jax.data import tokenizers
 from glm5_jax.train import checkpoint as train_checkpoint
 from glm5_jax import nn as gnn
 from glm5_jax.inference import Engine
@@ -60,8 +62,8 @@ def main(argv):
                       top_k=_TOP_K.value, top_p=_TOP_P.value, seed=_SEED.value)
   out = engine.generate([prompt], sp)[0]
   stats = engine.last_stats
-  if cfg.vocab_size <= 256:
-    print(bytes(t for t in out.token_ids).decode("utf-8", errors="replace"))
+  if not _PROMPT_IDS.value:
+    print(tokenizers.ByteTokenizer().decode(out.token_ids, skip_special_tokens=False))
   print("token_ids:", out.token_ids)
   print(f"finish_reason={out.finish_reason} generated={len(out.token_ids)} "
         f"prefill={stats['prefill_s']:.2f}s decode={stats['decode_s']:.2f}s "

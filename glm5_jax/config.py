@@ -7,7 +7,8 @@ glm5-jax settings that have no HF counterpart.
 Presets (`get_preset(name)`):
   glm5   the real 744B-A40B configuration (spec §1).
   small  a ~100M-parameter config for CPU benchmarks.
-  tiny   a few-hundred-K-parameter config for CPU tests and the main job.
+  tiny   a few-hundred-K-parameter config for CPU tests and the main job; its vocabulary (384,
+         a multiple of 128) holds the byte tokenizer's 256 bytes and GLM's special tokens.
 """
 
 from __future__ import annotations
@@ -292,6 +293,11 @@ def _validate(c: ModelConfig) -> None:
 # Presets
 # --------------------------------------------------------------------------------------
 
+# The byte tokenizer's GLM special ids (glm5_jax.data.tokenizers.SPECIAL_TOKENS at 256+): every
+# sequence starts with [gMASK] (258); eos is GLM-5's set of turn-ending ids, <|endoftext|> (256),
+# <|user|> (263), <|observation|> (265), like the glm5 preset's (154820, 154827, 154829).
+_BYTE_CHAT_TOKENS = dict(bos_token_id=258, eos_token_id=(256, 263, 265))
+
 _PRESETS: dict[str, dict[str, Any]] = {
     "glm5": {},
     "small": dict(
@@ -300,14 +306,14 @@ _PRESETS: dict[str, dict[str, Any]] = {
         kv_lora_rank=128, qk_nope_head_dim=48, qk_rope_head_dim=16, v_head_dim=64,
         index_n_heads=8, index_head_dim=32, index_topk=256, n_routed_experts=32,
         num_experts_per_tok=4, first_k_dense_replace=1, max_position_embeddings=16384,
-        bos_token_id=0, eos_token_id=1),
+        **_BYTE_CHAT_TOKENS),
     "tiny": dict(
-        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        vocab_size=384, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
         kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
         index_n_heads=4, index_head_dim=16, index_topk=8, n_routed_experts=8,
         num_experts_per_tok=2, first_k_dense_replace=1, max_position_embeddings=4096,
-        rope_theta=10000.0, bos_token_id=0, eos_token_id=1, attention_chunk_size=64),
+        rope_theta=10000.0, attention_chunk_size=64, **_BYTE_CHAT_TOKENS),
 }
 
 
