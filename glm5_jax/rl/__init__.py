@@ -1,0 +1,1 @@
+"""Post-training: RL losses, trajectories, tasks and rewards, the code sandbox, the GRPO loop."""
