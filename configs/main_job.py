@@ -1,4 +1,4 @@
-r"""The main job: the tiny model through pretrain -> DSA warm-up -> DSA sparse, on CPU.
+r"""The main job: the tiny model through pretrain -> DSA warm-up -> DSA sparse -> SFT -> GRPO.
 
   python -m experiments.main_job --config=configs/main_job.py --workdir=workdir/main
 """
@@ -6,6 +6,7 @@ r"""The main job: the tiny model through pretrain -> DSA warm-up -> DSA sparse, 
 import ml_collections
 
 from configs import pretrain
+from configs import rl
 
 
 def get_config(arg=None):
@@ -25,4 +26,20 @@ def get_config(arg=None):
       "sparse_steps": 100,                 # sparse adaptation, and the dense baseline
       "adapt_learning_rate": 2e-3,
   })
+  # Post-training (GLM-5 §3): SFT on a verifiable task, then synchronous GRPO + IcePop.
+  task = "arith"
+  c.post = ml_collections.ConfigDict({
+      "enabled": True,
+      "task": task,
+      "task_options": ml_collections.ConfigDict(dict(min_digits=1, max_digits=2, ops="+")),
+      "sft_conversations": 7000,
+      "sft_steps": 600,
+      "sft_learning_rate": 2e-3,
+      "sft_warmup_steps": 20,
+      "rl": rl.get_config(f"task={task},runlocal=True"),
+  })
+  c.post.rl.total_steps = 150
+  c.post.rl.rl.eval_every = 50
+  c.post.rl.rl.checkpoint_every = 50
+  c.post.rl.log_every = 10
   return c

@@ -1,6 +1,6 @@
 r"""Pretraining config: `--config=configs/pretrain.py:model=tiny,runlocal=True`.
 
-Arguments (big_vision style): model=<preset>, stage=pretrain|midtrain|dsa_warmup|dsa_sparse,
+Arguments (big_vision style): model=<preset>, stage=pretrain|midtrain|dsa_warmup|dsa_sparse|sft,
 runlocal=True shrinks the same config for a laptop CPU. Any field can be overridden:
 `--config.total_steps=300 --config.mesh.fsdp=2`.
 """
@@ -56,6 +56,7 @@ def get_config(arg=None):
       "source_dir": "",                   # "" = the Python standard library on this machine
       "tokenizer": "bytes",               # or a path to a tokenizer.json
       "pattern": "*.py",
+      "sources": "",                      # stage=sft: conversation JSONL files (comma-separated globs)
       "val_fraction": 0.05,
       "num_shards": 4,
       "max_files": 0,
@@ -66,6 +67,11 @@ def get_config(arg=None):
 
   if a.stage == "midtrain":
     c.seq_len = 32768
+  if a.stage == "sft":                    # conversations: --config.data.sources=FILE.jsonl
+    c.data.dir = os.path.expanduser("~/.cache/glm5_jax/sft")
+    c.data.val_fraction = 0.02
+    c.learning_rate = 1e-3
+    c.warmup_steps = 20
   if a.stage == "dsa_warmup":
     c.learning_rate = 1e-3
     c.warmup_steps = 20

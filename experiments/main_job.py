@@ -6,6 +6,11 @@ Ends with a summary table (held-out bits per byte per stage, indexer KL,
 tokens/s) and WORKDIR/loss_curves.png.
 """
 
+from glm5_jax import numerics
+
+numerics.batch_invariant_cpu()   # before JAX starts: engine and trainer agree bitwise on CPU
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import app
 from absl import flags
 from ml_collections import config_flags

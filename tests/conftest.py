@@ -1,5 +1,10 @@
 """Shared fixtures: one tiny model, compiled once per session."""
 
+from glm5_jax import numerics
+
+numerics.batch_invariant_cpu()   # before JAX starts (see glm5_jax/numerics.py)
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -11,9 +11,23 @@ import dataclasses
 import json
 import os
 
+from absl import logging
 import grain
 import jax
 import orbax.checkpoint as ocp
+
+
+class _QuietOrbax:
+  """Drops orbax's INFO chatter (dozens of lines per save) from the absl log."""
+
+  def filter(self, record) -> bool:
+    return record.levelno >= 30 or "orbax" not in record.pathname
+
+
+def quiet_orbax():
+  handler = logging.get_absl_handler()
+  if not any(isinstance(f, _QuietOrbax) for f in handler.filters):
+    handler.addFilter(_QuietOrbax())
 
 
 def manager(workdir: str, *, keep: int, async_save: bool = True) -> ocp.CheckpointManager:
@@ -93,6 +107,19 @@ def check_model_config(workdir: str, cfg) -> None:
     os.makedirs(workdir, exist_ok=True)
     with open(path, "w") as f:
       json.dump(now, f, indent=2)
+
+
+def save_params(workdir: str, cfg, params, *, step: int = 0) -> str:
+  """Writes `params` as a workdir that `load_model`, `init_from` and RL's `init_from` /
+  `distill.teacher` read (model_config.json + checkpoints/<step>/state). Returns its path."""
+  check_model_config(workdir, cfg)
+  with ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "checkpoints"),
+                             options=ocp.CheckpointManagerOptions(create=True),
+                             item_handlers={"state": ocp.StandardCheckpointHandler()}) as m:
+    m.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave({"params": params})),
+           force=True)
+    m.wait_until_finished()
+  return workdir
 
 
 def load_model(path: str):

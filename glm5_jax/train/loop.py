@@ -1,4 +1,4 @@
-"""The training loop: `run(config, workdir)` for every pretraining stage.
+"""The training loop: `run(config, workdir)` for every pretraining stage and SFT.
 
 One jitted step with explicit in/out shardings over a `data, fsdp, expert,
 tensor` mesh; parameters and optimizer state are created directly in their
@@ -24,22 +24,10 @@ from glm5_jax import nn as gnn
 from glm5_jax import sharding as shd
 from glm5_jax.data import corpus
 from glm5_jax.data import pipeline
+from glm5_jax.data import sft
 from glm5_jax.train import checkpoint as ckpt_lib
 from glm5_jax.train import metrics as metrics_lib
 from glm5_jax.train import step as step_lib
-
-
-class _QuietOrbax:
-  """Drops orbax's INFO chatter (dozens of lines per save) from the absl log."""
-
-  def filter(self, record) -> bool:
-    return record.levelno >= 30 or "orbax" not in record.pathname
-
-
-def _quiet_orbax():
-  handler = logging.get_absl_handler()
-  if not any(isinstance(f, _QuietOrbax) for f in handler.filters):
-    handler.addFilter(_QuietOrbax())
 
 
 def maybe_initialize_distributed(c) -> None:
@@ -80,21 +68,39 @@ def _validate(c, cfg, n_proc: int, mesh) -> None:
 
 
 def ensure_data(c) -> dict:
-  """Prepares the default corpus on first use (process 0), then reads its metadata."""
+  """Prepares the stage's data on first use (process 0), then reads its metadata.
+
+  Pretraining stages read the tokenized corpus (`corpus.prepare`); `sft` reads conversations
+  (`sft.prepare` of `data.sources`, JSONL).
+  """
   d = c.data
   if not os.path.exists(os.path.join(d.dir, corpus.META)):
     if not d.prepare_if_missing:
-      corpus.load_meta(d.dir)                        # raises the "run prepare_data" error
+      (sft if c.stage == "sft" else corpus).load_meta(d.dir)   # raises the "prepare" error
     if jax.process_index() == 0:
-      logging.info("preparing the corpus %s -> %s", d.source_dir or "<stdlib>", d.dir)
-      corpus.prepare(d.source_dir or corpus.default_source_dir(), d.dir, tokenizer=d.tokenizer,
-                     pattern=d.pattern, val_fraction=d.val_fraction, num_shards=d.num_shards,
-                     max_files=d.max_files)
+      logging.info("preparing %s -> %s", d.get("sources") or d.source_dir or "<stdlib>", d.dir)
+      if c.stage == "sft":
+        sft.prepare(d.sources, d.dir, tokenizer=d.tokenizer, val_fraction=d.val_fraction)
+      else:
+        corpus.prepare(d.source_dir or corpus.default_source_dir(), d.dir,
+                       tokenizer=d.tokenizer, pattern=d.pattern, val_fraction=d.val_fraction,
+                       num_shards=d.num_shards, max_files=d.max_files)
     if jax.process_count() > 1:
       from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
       multihost_utils.sync_global_devices("glm5_prepare_data")
-  meta = corpus.load_meta(d.dir)
-  return meta
+  if c.stage == "sft":
+    return sft.ensure(d.dir, d.sources, tokenizer=d.tokenizer, val_fraction=d.val_fraction)
+  return corpus.load_meta(d.dir)
+
+
+def make_dataset(c, split: str, *, seed: int, shuffle: bool = True):
+  """The stage's grain rows for this process: packed documents, or packed conversations."""
+  n_proc, p_idx = jax.process_count(), jax.process_index()
+  kw = dict(seq_len=c.seq_len, batch_per_process=c.batch_size // n_proc, seed=seed,
+            process_index=p_idx, process_count=n_proc, shuffle=shuffle, repeat=True)
+  if c.stage == "sft":
+    return sft.packed_dataset(c.data.dir, split, **kw)
+  return pipeline.packed_dataset(c.data.dir, split, shard=c.data.shard, **kw)
 
 
 def _model_config(c):
@@ -174,22 +180,21 @@ class _Sigterm:
 
 
 def evaluate(c, cfg, params, eval_fn, meta, batch_sh) -> dict:
-  """Held-out loss (nats/token) and bits per byte over `eval_batches` fixed batches."""
-  n_proc, p_idx = jax.process_count(), jax.process_index()
-  ds = pipeline.packed_dataset(c.data.dir, "validation", seq_len=c.seq_len,
-                               batch_per_process=c.batch_size // n_proc, seed=0,
-                               process_index=p_idx, process_count=n_proc, shuffle=False,
-                               repeat=True, shard=c.data.shard)
+  """Held-out loss (nats per target token) over `eval_batches` fixed batches, and bits per
+  byte where the corpus counts bytes (not for conversations)."""
+  if c.eval_batches < 1:
+    raise ValueError(f"config.eval_batches={c.eval_batches}: expected >= 1")
+  it = iter(make_dataset(c, "validation", seed=0, shuffle=False))
   nll, tok, kl = 0.0, 0.0, 0.0
-  it = iter(ds)
   for _ in range(c.eval_batches):
     out = jax.device_get(eval_fn(params, _to_global(next(it), batch_sh)))
     nll, tok, kl = nll + float(out["nll_sum"]), tok + float(out["tokens"]), kl + float(out["indexer_kl"])
   loss = nll / max(tok, 1.0)
+  res = {"loss": loss, "indexer_kl": kl / c.eval_batches}
   v = meta["splits"]["validation"]
-  bytes_per_token = v["bytes"] / max(v["tokens"], 1)
-  return {"loss": loss, "bits_per_byte": loss / math.log(2) / bytes_per_token,
-          "indexer_kl": kl / c.eval_batches}
+  if "bytes" in v:
+    res["bits_per_byte"] = loss / math.log(2) / (v["bytes"] / max(v["tokens"], 1))
+  return res
 
 
 def run(c, workdir: str) -> dict:
@@ -197,11 +202,12 @@ def run(c, workdir: str) -> dict:
 
   Returns the final metrics (last train step and held-out evaluation).
   """
-  _quiet_orbax()
+  ckpt_lib.quiet_orbax()
   maybe_initialize_distributed(c)
   cfg = _model_config(c)
-  if c.stage not in step_lib.STAGES:
-    raise ValueError(f"config.stage={c.stage!r}: expected one of {step_lib.STAGES}")
+  if step_lib.get_stage(c.stage).runner != "loop":
+    raise ValueError(f"config.stage={c.stage!r} trains on rollouts, not a corpus: run it with "
+                     "`python -m experiments.rl` (glm5_jax.rl.grpo)")
   mesh = shd.make_mesh(dict(c.mesh))
   n_proc = jax.process_count()
   _validate(c, cfg, n_proc, mesh)
@@ -219,11 +225,7 @@ def run(c, workdir: str) -> dict:
   tx = step_lib.make_optimizer(c)
 
   mngr = ckpt_lib.manager(workdir, keep=c.keep_checkpoints, async_save=c.async_checkpoints)
-  ds = pipeline.packed_dataset(c.data.dir, "train", seq_len=c.seq_len,
-                               batch_per_process=c.batch_size // n_proc, seed=c.seed,
-                               process_index=jax.process_index(), process_count=n_proc,
-                               shard=c.data.shard)
-  data_iter = iter(ds)
+  data_iter = iter(make_dataset(c, "train", seed=c.seed))
   latest = mngr.latest_step()
   with jax.set_mesh(mesh):
     state = _init_state(c, cfg, tx, mesh, param_sh, shapes) if latest is None else None
@@ -255,6 +257,12 @@ def run(c, workdir: str) -> dict:
   flops_tok = _flops_per_token(cfg)
   sigterm = _Sigterm()
   pending, last = [], {}
+  data_stats = {}
+  if c.stage == "sft":              # conversations longer than seq_len never enter a row
+    data_stats = {"sft_dropped_conversations": sft.dropped(c.data.dir, "train", c.seq_len)}
+    if data_stats["sft_dropped_conversations"]:
+      logging.warning("sft: %d training conversations are longer than seq_len=%d and are "
+                      "dropped", data_stats["sft_dropped_conversations"], c.seq_len)
 
   def flush(step):
     nonlocal pending, last
@@ -266,6 +274,7 @@ def run(c, workdir: str) -> dict:
             f"non-finite loss or gradient at step {s} ({m}); stopping. The last good "
             f"checkpoint ({mngr.latest_step()}) in {workdir} is intact.")
       m["learning_rate"] = float(schedule(s - 1))
+      m.update(data_stats)
       writer.write(s, m)
       last = m
     pending = []
@@ -293,7 +302,7 @@ def run(c, workdir: str) -> dict:
           ev = evaluate(c, cfg, state.params, eval_fn, meta, batch_sh)
           writer.write(step, ev, prefix="eval_")
           logging.info("[%s] step %d eval loss %.4f  bits/byte %.4f  indexer_kl %.4g", c.stage,
-                       step, ev["loss"], ev["bits_per_byte"], ev["indexer_kl"])
+                       step, ev["loss"], ev.get("bits_per_byte", math.nan), ev["indexer_kl"])
           last.update({f"eval_{k}": v for k, v in ev.items()})
         if step % c.checkpoint_every == 0 or step == c.total_steps or stop:
           ckpt_lib.save(mngr, step, state, data_iter, force=True)

@@ -1,9 +1,13 @@
-"""The paper's stage sequence, small: pretrain -> DSA dense warm-up -> DSA sparse adaptation.
+"""The paper's stage sequence, small: pretrain -> DSA dense warm-up -> DSA sparse adaptation
+-> SFT -> reasoning RL (GRPO + IcePop).
 
-Each stage is a `loop.run` in its own sub-workdir that starts from the
-previous stage's parameters (`init_from`). A dense continuation of the
-pretrained model for as many steps as the sparse adaptation is the baseline of
-our small-scale "DSA ~ MLA" comparison (GLM-5 paper §2, DSA table).
+Each stage runs in its own sub-workdir and starts from the previous stage's parameters
+(`init_from`). A dense continuation of the pretrained model for as many steps as the sparse
+adaptation is the baseline of our small-scale "DSA ~ MLA" comparison (GLM-5 paper §2, DSA
+table). Post-training (§3) writes SFT conversations for `post.task`, fine-tunes on them
+(`stage="sft"`) and runs synchronous GRPO on the same task (`glm5_jax.rl.grpo`), measuring
+held-out accuracy (greedy) after SFT and after GRPO. A stage already finished is read back,
+not run again.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import time
 from absl import logging
 
 from glm5_jax.data import corpus
+from glm5_jax.rl import grpo
+from glm5_jax.rl import tasks
 from glm5_jax.train import loop
 
 
@@ -37,8 +43,38 @@ def _read_metrics(workdir: str) -> list[dict]:
     return [json.loads(line) for line in f]
 
 
+def _sft_config(c, workdir: str):
+  p = c.post
+  sc = _stage_config(c, "sft", p.sft_steps, os.path.join(workdir, "dsa_sparse"),
+                     p.sft_learning_rate, p.sft_warmup_steps)
+  with sc.unlocked():
+    sc.data.sources = os.path.join(workdir, "sft_data", f"{p.task}.jsonl")
+    sc.data.dir = os.path.join(workdir, "sft_data", "prepared")
+    sc.data.val_fraction = 0.02
+  return sc
+
+
+def _rl_config(c, workdir: str):
+  rc = c.post.rl.copy_and_resolve_references()
+  with rc.unlocked():
+    rc.init_from = os.path.join(workdir, "sft")
+    rc.rl.task = c.post.task
+    rc.rl.task_options = c.post.task_options
+  return rc
+
+
+def _write_sft_data(c, workdir: str) -> str:
+  path = os.path.join(workdir, "sft_data", f"{c.post.task}.jsonl")
+  if not os.path.exists(path):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    task = tasks.get(c.post.task, **dict(c.post.task_options))
+    task.write_sft(path + ".tmp", c.post.sft_conversations, c.seed)
+    os.replace(path + ".tmp", path)
+  return path
+
+
 def run_all(c, workdir: str) -> dict:
-  """Runs the four runs in `workdir/{pretrain,dense_baseline,dsa_warmup,dsa_sparse}`."""
+  """Runs every stage in `workdir/{pretrain,dense_baseline,dsa_warmup,dsa_sparse,sft,grpo}`."""
   s = c.stages
   plan = [
       ("pretrain", "pretrain", s.pretrain_steps, "", c.learning_rate, c.warmup_steps),
@@ -54,40 +90,88 @@ def run_all(c, workdir: str) -> dict:
     logging.info("=== %s: %s for %d steps%s", name, stage, steps, f" from {parent}" if parent else "")
     results[name] = loop.run(_stage_config(c, stage, steps, init, lr, warm), sub)
     timings[name] = time.perf_counter() - t0
+  if c.post.enabled:
+    t0 = time.perf_counter()
+    _write_sft_data(c, workdir)
+    logging.info("=== sft: %d steps on %s conversations from dsa_sparse", c.post.sft_steps,
+                 c.post.task)
+    results["sft"] = loop.run(_sft_config(c, workdir), os.path.join(workdir, "sft"))
+    timings["sft"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    logging.info("=== grpo: %d steps on %s from sft", c.post.rl.total_steps, c.post.task)
+    results["grpo"] = grpo.run(_rl_config(c, workdir), os.path.join(workdir, "grpo"))
+    timings["grpo"] = time.perf_counter() - t0
   meta = corpus.load_meta(c.data.dir)
-  summary = _summarize(results, timings, meta)
+  summary = _summarize(results, timings, meta, workdir)
   with open(os.path.join(workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
   print(_table(summary))
-  _plot({name: _read_metrics(os.path.join(workdir, name)) for name, *_ in plan},
+  _plot({name: _read_metrics(os.path.join(workdir, name)) for name in results},
         os.path.join(workdir, "loss_curves.png"))
   return summary
 
 
-def _summarize(results, timings, meta):
+def _final_metrics(result: dict, workdir: str) -> dict:
+  """The stage's last value of every metric: what `run` returned, over its metrics.jsonl
+  (a stage finished by an earlier run returns nothing and is read back)."""
+  merged = {}
+  for row in _read_metrics(workdir):
+    merged.update(row)
+  return {**merged, **(result or {})}
+
+
+def _heldout_accuracies(workdir: str) -> list[tuple[int, float]]:
+  return [(m["step"], m["heldout_accuracy"]) for m in _read_metrics(workdir)
+          if "heldout_accuracy" in m]
+
+
+def _summarize(results, timings, meta, workdir):
   rows = {}
   for name, r in results.items():
+    r = _final_metrics(r, os.path.join(workdir, name))
     rows[name] = {"eval_loss": r.get("eval_loss"), "eval_bits_per_byte": r.get("eval_bits_per_byte"),
                   "eval_indexer_kl": r.get("eval_indexer_kl"), "train_indexer_kl": r.get("indexer_kl"),
                   "tokens_per_s": r.get("tokens_per_s"), "wall_s": timings[name]}
   dense, sparse = rows["dense_baseline"]["eval_loss"], rows["dsa_sparse"]["eval_loss"]
-  return {"stages": rows, "unigram_entropy_bits_per_byte":
-          meta["train_unigram_entropy_bits_per_token"] * meta["splits"]["train"]["tokens"]
-          / max(meta["splits"]["train"]["bytes"], 1),
-          "dsa_vs_dense_relative_loss_gap": (sparse - dense) / dense}
+  out = {"stages": rows, "unigram_entropy_bits_per_byte":
+         meta["train_unigram_entropy_bits_per_token"] * meta["splits"]["train"]["tokens"]
+         / max(meta["splits"]["train"]["bytes"], 1),
+         "dsa_vs_dense_relative_loss_gap": (sparse - dense) / dense}
+  if "grpo" in results:
+    rl_dir = os.path.join(workdir, "grpo")
+    acc = _heldout_accuracies(rl_dir)
+    steps = [m for m in _read_metrics(rl_dir) if "reward_mean" in m]
+    out["post_training"] = {
+        "heldout_accuracy_after_sft": acc[0][1], "heldout_accuracy_after_grpo": acc[-1][1],
+        "heldout_problems": _final_metrics({}, rl_dir).get("heldout_problems"),
+        "grpo_steps": len(steps),
+        "train_rollout_logp_abs_diff_max": max(m["logp_abs_diff_max"] for m in steps),
+        "topk_mismatches": sum(m["topk_mismatches"] for m in steps),
+        "topk_positions_compared": sum(m["topk_positions"] for m in steps),
+        "sft_eval_loss": rows["sft"]["eval_loss"]}
+  return out
 
 
 def _table(s) -> str:
   lines = [f"{'stage':<16}{'eval loss':>11}{'bits/byte':>11}{'indexer KL':>12}{'tokens/s':>10}"
            f"{'wall s':>9}"]
+  nan = lambda v: math.nan if v is None else v
   for name, r in s["stages"].items():
     kl = r["eval_indexer_kl"]
-    lines.append(f"{name:<16}{r['eval_loss']:>11.4f}{r['eval_bits_per_byte']:>11.4f}"
-                 f"{(kl if kl else float('nan')):>12.4g}{r['tokens_per_s'] or math.nan:>10.0f}"
+    lines.append(f"{name:<16}{nan(r['eval_loss']):>11.4f}{nan(r['eval_bits_per_byte']):>11.4f}"
+                 f"{(kl if kl else math.nan):>12.4g}{nan(r['tokens_per_s']):>10.0f}"
                  f"{r['wall_s']:>9.0f}")
   lines.append(f"unigram entropy of the corpus: {s['unigram_entropy_bits_per_byte']:.3f} bits/byte")
   lines.append(f"DSA sparse vs dense continuation, held-out loss gap: "
                f"{100 * s['dsa_vs_dense_relative_loss_gap']:+.2f}%")
+  p = s.get("post_training")
+  if p:
+    lines.append(
+        f"held-out accuracy ({p['heldout_problems']:.0f} problems, greedy): after SFT "
+        f"{p['heldout_accuracy_after_sft']:.3f}, after GRPO {p['heldout_accuracy_after_grpo']:.3f}"
+        f" ({100 * (p['heldout_accuracy_after_grpo'] - p['heldout_accuracy_after_sft']):+.1f} "
+        f"points); train/rollout |dlogp| max {p['train_rollout_logp_abs_diff_max']:.2g}, "
+        f"top-k mismatches {p['topk_mismatches']:.0f} of {p['topk_positions_compared']:.0f}")
   return "\n".join(lines)
 
 
@@ -95,11 +179,13 @@ def _plot(curves: dict, path: str):
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-  offset = {"pretrain": 0}
+  with_rl = "grpo" in curves
+  fig, axes = plt.subplots(1, 3 if with_rl else 2, figsize=(16 if with_rl else 11, 4))
+  ax1, ax2 = axes[0], axes[1]
   n_pre = max((m["step"] for m in curves["pretrain"]), default=0)
-  offset.update(dense_baseline=n_pre, dsa_warmup=n_pre, dsa_sparse=n_pre)
-  for name, rows in curves.items():
+  offset = {"pretrain": 0, "dense_baseline": n_pre, "dsa_warmup": n_pre, "dsa_sparse": n_pre}
+  for name in offset:
+    rows = curves.get(name, [])
     tr = [(offset[name] + m["step"], m["ce"]) for m in rows if "ce" in m]
     ev = [(offset[name] + m["step"], m["eval_loss"]) for m in rows if "eval_loss" in m]
     if name != "dsa_warmup" and tr:
@@ -116,5 +202,16 @@ def _plot(curves: dict, path: str):
   ax2.set_ylabel("indexer KL (mean over layers)")
   ax2.set_yscale("log")
   ax2.legend(fontsize=7)
+  if with_rl:
+    ax3 = axes[2]
+    rw = [(m["step"], m["reward_mean"]) for m in curves["grpo"] if "reward_mean" in m]
+    acc = [(m["step"], m["heldout_accuracy"]) for m in curves["grpo"] if "heldout_accuracy" in m]
+    if rw:
+      ax3.plot(*zip(*rw), alpha=0.5, label="GRPO train reward (mean of the batch)")
+    if acc:
+      ax3.plot(*zip(*acc), "o-", label="held-out accuracy (greedy)")
+    ax3.set_xlabel("GRPO step (0 = after SFT)")
+    ax3.set_ylabel("reward / accuracy")
+    ax3.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=110)

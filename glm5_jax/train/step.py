@@ -1,15 +1,22 @@
 """Train and eval steps: losses per stage, optimizer update, routing-bias update.
 
-Stages (design.md decision 6; paper §2 "DSA"):
-  pretrain / midtrain  dense MLA attention; LM + MTP losses; the indexer is frozen.
-  dsa_warmup           dense attention; everything frozen but the indexer, which
-                       learns from the dense indexer KL (DeepSeek-V3.2 eq. 3).
-  dsa_sparse           top-k sparse attention; all parameters train; the indexer
-                       learns from the sparse KL with detached inputs (eq. 4).
+What each stage does is one row of `STAGE_TABLE` (GLM-5 paper §2 "DSA" and §3):
+  stage        attention  trains              losses
+  pretrain     dense      all but indexer     LM + MTP
+  midtrain     dense      all but indexer     LM + MTP (longer sequences)
+  dsa_warmup   dense      indexer only        dense indexer KL (DeepSeek-V3.2 eq. 3)
+  dsa_sparse   sparse     all                 LM + MTP + sparse indexer KL (eq. 4; detached inputs)
+  sft          sparse     all                 LM + MTP on the assistant's tokens (loss_mask)
+                                              + sparse indexer KL (the indexer adapts to the
+                                              new data, as in the sparse stage)
+  rl           sparse     all but indexer     a policy-gradient loss on rollouts (glm5_jax.rl)
+The indexer is frozen in RL, as slime's GLM-5 recipe does (`--freeze-indexer`), so the
+trainer's and the rollout engine's top-k stay the same function of the same weights.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax
@@ -21,7 +28,31 @@ from glm5_jax import losses
 from glm5_jax import nn as gnn
 from glm5_jax import optim
 
-STAGES = ("pretrain", "midtrain", "dsa_warmup", "dsa_sparse")
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+  attention: str          # "dense" | "sparse"
+  trains: str             # "all" | "all_but_indexer" | "indexer"
+  lm_loss: bool           # next-token CE + MTP
+  indexer_kl: bool        # the indexer's KL loss (dense in dense stages, sparse otherwise)
+  runner: str = "loop"    # "loop": train.loop.run on a corpus; "rl": rl.grpo.run on rollouts
+
+
+STAGE_TABLE = {
+    "pretrain": Stage("dense", "all_but_indexer", lm_loss=True, indexer_kl=False),
+    "midtrain": Stage("dense", "all_but_indexer", lm_loss=True, indexer_kl=False),
+    "dsa_warmup": Stage("dense", "indexer", lm_loss=False, indexer_kl=True),
+    "dsa_sparse": Stage("sparse", "all", lm_loss=True, indexer_kl=True),
+    "sft": Stage("sparse", "all", lm_loss=True, indexer_kl=True),
+    "rl": Stage("sparse", "all_but_indexer", lm_loss=False, indexer_kl=False, runner="rl"),
+}
+STAGES = tuple(STAGE_TABLE)
+
+
+def get_stage(stage: str) -> Stage:
+  if stage not in STAGE_TABLE:
+    raise ValueError(f"config.stage={stage!r}: expected one of {STAGES}")
+  return STAGE_TABLE[stage]
 
 
 @flax.struct.dataclass
@@ -33,19 +64,18 @@ class TrainState:
 
 
 def stage_model_config(cfg, stage: str):
-  """The ModelConfig a stage runs: dense attention before sparse adaptation."""
-  if stage not in STAGES:
-    raise ValueError(f"config.stage={stage!r}: expected one of {STAGES}")
-  return cfg.replace(attention_type="sparse" if stage == "dsa_sparse" else "dense")
+  """The ModelConfig a stage runs: dense or top-k sparse attention."""
+  return cfg.replace(attention_type=get_stage(stage).attention)
+
+
+_FROZEN = {"all": None, "all_but_indexer": lambda: optim.path_mask("indexer"),
+           "indexer": lambda: optim.path_mask("indexer", invert=True)}
 
 
 def frozen_mask(stage: str):
-  """optax-style mask of parameters that must not change in `stage`."""
-  if stage == "dsa_warmup":
-    return optim.path_mask("indexer", invert=True)
-  if stage in ("pretrain", "midtrain"):
-    return optim.path_mask("indexer")
-  return None
+  """optax-style mask of parameters that must not change in `stage` (None: nothing frozen)."""
+  make = _FROZEN[get_stage(stage).trains]
+  return make() if make else None
 
 
 def make_schedule(c, peak: float | None = None) -> optax.Schedule:
@@ -86,15 +116,17 @@ def _false(p):
 
 
 def targets(batch, offset: int):
-  """Targets at `offset` and their mask (same document, not padding)."""
-  return losses.next_token_targets(batch["tokens"], offset=offset,
+  """Targets at `offset` and their mask: same document, not padding, and (SFT rows) a target
+  token the assistant produced (`loss_mask`)."""
+  return losses.next_token_targets(batch["tokens"], batch.get("loss_mask"), offset=offset,
                                    segment_ids=batch["segment_ids"])
 
 
 def loss_fn(params, batch, *, cfg, stage: str, loss_chunk: int):
   """Total loss and its parts for one batch {tokens, segment_ids, positions}."""
+  st = get_stage(stage)
   mcfg = stage_model_config(cfg, stage)
-  with_kl = stage in ("dsa_warmup", "dsa_sparse")
+  with_kl = st.indexer_kl
   out = gnn.GLM5(mcfg).apply({"params": params}, batch["tokens"], batch["positions"],
                              batch["segment_ids"], with_indexer_loss=with_kl,
                              return_logits=False)
@@ -102,7 +134,7 @@ def loss_fn(params, batch, *, cfg, stage: str, loss_chunk: int):
   y, m = targets(batch, 1)
   ce, n_tok = losses.chunked_cross_entropy(out.hidden, head, y, m, chunk_size=loss_chunk)
   mtp_ce = []
-  if out.mtp_hidden is not None and stage != "dsa_warmup":
+  if out.mtp_hidden is not None and st.lm_loss:
     for k in range(mcfg.mtp_num_steps):
       yk, mk = targets(batch, k + 2)
       mtp_ce.append(losses.chunked_cross_entropy(out.mtp_hidden[k], head, yk, mk,
@@ -113,7 +145,7 @@ def loss_fn(params, batch, *, cfg, stage: str, loss_chunk: int):
   if out.mtp_indexer_kl is not None:            # the shared MTP layer's indexer, once
     kl = kl + jnp.mean(out.mtp_indexer_kl)
     n_kl_layers += 1
-  if stage == "dsa_warmup":
+  if not st.lm_loss:
     total = kl                                    # only the indexer trains
   else:
     total = ce + mtp + mcfg.indexer_loss_coeff * kl
@@ -161,7 +193,7 @@ def train_step(state: TrainState, batch, *, cfg, stage, tx, loss_chunk, bias_rat
       has_aux=True)(state.params)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  if stage != "dsa_warmup":
+  if get_stage(stage).lm_loss:                    # the routed layers run forward for the LM
     params = update_routing_biases(params, jax.lax.stop_gradient(load), bias_rate)
   metrics = {**parts, "grad_norm": optax.global_norm(grads),
              "update_norm": optax.global_norm(updates)}

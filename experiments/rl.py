@@ -1,0 +1,29 @@
+r"""Reasoning RL entry point (synchronous GRPO + IcePop, optional on-policy distillation).
+
+  python -m experiments.rl --config=configs/rl.py:task=arith,runlocal=True \
+      --config.init_from=/tmp/sft --workdir=/tmp/rl
+"""
+
+from glm5_jax import numerics
+
+numerics.batch_invariant_cpu()   # before JAX starts: engine and trainer agree bitwise on CPU
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+from glm5_jax.rl import grpo
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/rl.py", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "run directory (checkpoints, metrics)",
+                               required=True)
+
+
+def main(argv):
+  del argv
+  grpo.run(_CONFIG.value, _WORKDIR.value)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,31 @@
+r"""Writes SFT conversations (JSONL, the chat schema of glm5_jax/data/chat.py) for a task.
+
+  python -m experiments.write_sft_data --task=arith --options=max_digits=2,ops=+ \
+      --n=7000 --out=/tmp/arith.jsonl
+"""
+
+import dataclasses
+
+from absl import app
+from absl import flags
+
+from configs import common
+from glm5_jax.rl import tasks
+
+_TASK = flags.DEFINE_string("task", "arith", f"one of {tasks.names()}")
+_OPTIONS = flags.DEFINE_string("options", "", "task options, k=v,k=v (the task's Config fields)")
+_N = flags.DEFINE_integer("n", 5000, "training conversations")
+_SEED = flags.DEFINE_integer("seed", 0, "problem draw seed")
+_OUT = flags.DEFINE_string("out", None, "output JSONL path", required=True)
+
+
+def main(argv):
+  del argv
+  defaults = dataclasses.asdict(tasks.get(_TASK.value).config)
+  options = common.parse_arg(_OPTIONS.value, **defaults).to_dict()
+  n = tasks.get(_TASK.value, **options).write_sft(_OUT.value, _N.value, _SEED.value)
+  print(f"wrote {n} {_TASK.value} conversations to {_OUT.value}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,50 @@
+"""Batch-invariant numerics on CPU, so that the rollout engine and the trainer agree bitwise.
+
+GLM-5's RL lesson (paper §3): the trainer and the rollout engine must compute the same
+log-probs; slime gates GLM-5 runs at |train - rollout| < 1e-6, which takes kernels whose
+result for one row does not depend on how many other rows share the call ("batch
+invariance"; Thinking Machines, "Defeating Nondeterminism in LLM Inference", 2025).
+
+On CPU, jaxlib 0.10's XLA sends dots to YNNPACK fusions whose summation order depends on the
+number of rows: one row of a [64, 64] @ [64, 32] float32 matmul differs by 1.4e-6 between a
+batch of 1 and of 64. The engine decodes one row per request while the trainer runs whole
+sequences, so on the main job's trained tiny model their log-probs differed by up to 4e-6,
+and the trainer's own log-probs moved by 1.7e-6 when its padding changed from 32 to 64.
+With YNNPACK fusions off, XLA:CPU's dots go to Eigen, which is row-invariant at these
+shapes: engine and trainer log-probs are then bitwise equal (tests/test_rl_grpo.py).
+Speed is about the same (tiny train step 0.47 -> 0.57 s, small 15.2 -> 13.3 s here).
+
+The flag is read when JAX creates its CPU backend, so `batch_invariant_cpu()` must run
+before the first computation; the RL entry points, the main job and the tests call it at
+import. Accelerators are unaffected (the flag names an XLA:CPU fusion).
+"""
+
+from __future__ import annotations
+
+import os
+
+FLAG = "--xla_cpu_experimental_ynn_fusion_type="
+
+
+def is_set() -> bool:
+  return FLAG in os.environ.get("XLA_FLAGS", "").split()
+
+
+def _backends_started() -> bool:
+  try:
+    from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+    return bool(getattr(xla_bridge, "_backends", {}))
+  except ImportError:
+    return False
+
+
+def batch_invariant_cpu() -> None:
+  """Adds FLAG to XLA_FLAGS; raises if JAX already created its backends without it."""
+  if is_set():
+    return
+  if _backends_started():
+    raise RuntimeError(
+        "glm5_jax.numerics.batch_invariant_cpu() must run before JAX's first computation "
+        f"(the CPU backend reads XLA_FLAGS once); set XLA_FLAGS='{FLAG}' in the environment "
+        "or call it first thing")
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + FLAG).strip()

@@ -1,0 +1,98 @@
+"""The trainer's view of the policy: per-token log-probs, entropies and DSA top-k of sampled
+sequences, from the model's own forward pass (`nn.GLM5`, the one the trainer differentiates).
+
+`logp_bt[:, t]` is log pi(tokens[:, t] | tokens[:, <t]) under the raw model distribution
+(log_softmax of the logits at position t - 1, no temperature), the same quantity the rollout
+engine returns for each token it samples; position 0 has no prediction and holds 0. This is
+the train side of the paper's train/rollout consistency check (GLM-5 §3: the trainer's
+recomputed log-probs and the engine's must agree; slime gates GLM-5 at |diff| < 1e-6).
+
+The [b, t, V] logits never exist at once: `token_logprobs` computes them `chunk_size`
+positions at a time and recomputes each chunk in the backward pass (as
+`losses.chunked_cross_entropy`).
+
+Notation: b batch, t positions, d hidden, V vocab, L layers, K top-k.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from glm5_jax import nn as gnn
+
+
+def _pad_seq(x, multiple):
+  pad = (-x.shape[1]) % multiple
+  if pad == 0:
+    return x
+  return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+
+
+def token_logprobs(hidden_btd, head_dv, tokens_bt, *, chunk_size: int = 256):
+  """(logp [b, t], entropy [b, t]) of each token given the hidden states before it.
+
+  hidden_btd: final-norm hidden states; head_dv: the lm_head kernel. Entry t uses
+  hidden[:, t - 1]; entry 0 is 0 for both. Entropy is that of the full next-token
+  distribution at t - 1 (a diagnostic; it carries gradient like logp).
+  """
+  b, t, _ = hidden_btd.shape
+  h, y = hidden_btd[:, :-1], tokens_bt[:, 1:]
+  c = max(1, min(chunk_size, t - 1))
+  n = -(-(t - 1) // c)
+  h_c = _pad_seq(h, c).reshape(b, n, c, -1).swapaxes(0, 1)
+  y_c = _pad_seq(y, c).reshape(b, n, c).swapaxes(0, 1)
+
+  @jax.checkpoint
+  def chunk(args):
+    h_bcd, y_bc = args
+    logits = jnp.einsum("bcd,dv->bcv", h_bcd, head_dv.astype(h_bcd.dtype),
+                        preferred_element_type=jnp.float32)
+    logp_all = jax.nn.log_softmax(logits, axis=-1)
+    picked = jnp.take_along_axis(logp_all, y_bc[..., None], axis=-1)[..., 0]
+    ent = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+    return picked, ent
+
+  picked, ent = jax.lax.map(chunk, (h_c, y_c))
+  unchunk = lambda x: x.swapaxes(0, 1).reshape(b, n * c)[:, :t - 1]
+  zero = jnp.zeros((b, 1), jnp.float32)
+  return (jnp.concatenate([zero, unchunk(picked)], axis=1),
+          jnp.concatenate([zero, unchunk(ent)], axis=1))
+
+
+def policy_forward(params, tokens_bt, positions_bt, segment_ids_bt, *, cfg,
+                   chunk_size: int = 256, return_topk: bool = False):
+  """(logp [b, t], entropy [b, t], top-k per layer or None) of right-padded rows.
+
+  cfg: the ModelConfig the policy runs (post-training: `attention_type="sparse"`, as the
+  engine). MTP is not run: it is not part of the policy.
+  """
+  out = gnn.GLM5(cfg).apply({"params": params}, tokens_bt, positions_bt, segment_ids_bt,
+                            return_logits=False, return_topk=return_topk, mtp=False)
+  logp, ent = token_logprobs(out.hidden, params["lm_head"]["kernel"], tokens_bt,
+                             chunk_size=chunk_size)
+  return logp, ent, out.topk_indices
+
+
+def topk_mismatches(trajs, topk_lbtk, rows=None) -> tuple[int, int]:
+  """(positions where some layer's engine top-k set differs from the trainer's, positions
+  compared), over every position each trajectory's engine recorded.
+
+  trajs: Trajectory list with `topk` = {position: int32 [L, K]} from the engine
+  (`record_topk=True`); topk_lbtk: the trainer's per-layer top-k, [L] of [b, t, K] (layers
+  that reuse another layer's selection may be None); rows: batch row of each trajectory.
+  """
+  layers = [np.asarray(x) if x is not None else None for x in topk_lbtk]
+  bad = total = 0
+  for i, tr in enumerate(trajs):
+    row = i if rows is None else rows[i]
+    for pos, eng_lk in (tr.topk or {}).items():
+      total += 1
+      for l, tr_btk in enumerate(layers):
+        if tr_btk is None:
+          continue
+        if set(np.asarray(eng_lk[l]).tolist()) != set(tr_btk[row, pos].tolist()):
+          bad += 1
+          break
+  return bad, total

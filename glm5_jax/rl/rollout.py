@@ -1,0 +1,86 @@
+"""Rollouts: prompts -> the engine's samples -> scored trajectories, and held-out accuracy.
+
+The data path of one synchronous RL step (GLM-5 paper §3; the split of tunix's `rl/`
+and slime's `rollout/`):
+
+  problems --render_prompt--> prompt ids --engine.generate (G per prompt)--> response ids
+  + raw log-probs (+ DSA top-k) --parse_assistant--> answer text --reward--> Trajectory
+
+Token ids go from the engine into the Trajectory untouched (TITO); the response is decoded
+only to be scored. A response that ran out of tokens (no stop token) is `truncated`, which
+every reward scores 0. A reward function that raises scores 0 and is counted, never stops
+the run.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from glm5_jax.data import chat
+from glm5_jax.inference import SamplingParams
+from glm5_jax.rl import rewards as rewards_lib
+from glm5_jax.rl.trajectory import Trajectory
+
+
+def prompt_ids(task, problem, tokenizer, *, enable_thinking: bool) -> list[int]:
+  """The generation prompt for `problem`: its SFT conversation up to the assistant's turn."""
+  messages = task.sft_record(problem)["messages"]
+  conv = {"messages": [m for m in messages if m["role"] != "assistant"]}
+  return chat.render_prompt(conv, tokenizer, enable_thinking=enable_thinking).tolist()
+
+
+def score(reward_fn, problem, response_ids, tokenizer, finish_reason: str):
+  """(reward, parsed turn, error or None) of one response."""
+  turn = chat.parse_assistant(response_ids, tokenizer)
+  truncated = turn.ended_by is None or finish_reason != "stop"
+  reward, err = rewards_lib.safe_call(reward_fn, problem, turn.content, truncated=truncated)
+  return reward, turn, err
+
+
+def rollout(engine, task, reward_fn, problems, tokenizer, *, group_size: int,
+            sampling: SamplingParams, version: int, enable_thinking: bool = False,
+            record_topk: bool = True):
+  """Samples `group_size` responses per problem and scores them.
+
+  Returns:
+    (trajectories in problem-major order, group g = problems[g]; stats dict with
+    rollout_s, reward_s, reward_errors, truncated, response_len_mean).
+  """
+  t0 = time.perf_counter()
+  prompts = [prompt_ids(task, p, tokenizer, enable_thinking=enable_thinking) for p in problems]
+  requests = [p for p in prompts for _ in range(group_size)]
+  outs = engine.generate(requests, sampling, record_topk=record_topk)
+  t1 = time.perf_counter()
+  trajs, errors, truncated = [], 0, 0
+  for i, out in enumerate(outs):
+    g = i // group_size
+    reward, turn, err = score(reward_fn, problems[g], out.token_ids, tokenizer,
+                              out.finish_reason)
+    errors += err is not None
+    truncated += turn.ended_by is None
+    trajs.append(Trajectory(prompt_ids=requests[i], response_ids=list(out.token_ids),
+                            rollout_logp=list(out.logprobs), version=version, group_id=g,
+                            reward=reward, finish_reason=out.finish_reason,
+                            topk=out.topk_indices))
+  t2 = time.perf_counter()
+  lens = [len(tr.response_ids) for tr in trajs]
+  return trajs, {"rollout_s": t1 - t0, "reward_s": t2 - t1, "reward_errors": errors,
+                 "truncated": truncated, "response_len_mean": float(np.mean(lens))}
+
+
+def heldout_accuracy(engine, task, reward_fn, problems, tokenizer, *, max_new_tokens: int,
+                     enable_thinking: bool = False) -> dict:
+  """Greedy decoding on `problems`: accuracy (reward == 1) and mean reward."""
+  stop = chat.stop_ids(tokenizer)
+  sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stop)
+  rewards = []
+  for lo in range(0, len(problems), engine.max_batch):
+    chunk = problems[lo:lo + engine.max_batch]
+    prompts = [prompt_ids(task, p, tokenizer, enable_thinking=enable_thinking) for p in chunk]
+    for p, out in zip(chunk, engine.generate(prompts, sp)):
+      rewards.append(score(reward_fn, p, out.token_ids, tokenizer, out.finish_reason)[0])
+  r = np.asarray(rewards, np.float64)
+  return {"accuracy": float(np.mean(r >= 1.0)), "reward_mean": float(np.mean(r)),
+          "problems": len(r)}
