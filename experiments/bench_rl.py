@@ -23,18 +23,12 @@ import time
 from absl import app
 from absl import flags
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from configs import rl as rl_config
 from glm5_jax import config as config_lib
 from glm5_jax import nn as gnn
-from glm5_jax.data import chat
-from glm5_jax.inference import Engine
 from glm5_jax.rl import grpo
-from glm5_jax.rl import rewards
-from glm5_jax.rl import tasks
-from glm5_jax.train import step as step_lib
 
 _PRESETS = flags.DEFINE_list("presets", ["tiny", "small"], "model presets")
 _GROUP = flags.DEFINE_integer("group_size", 8, "samples per prompt")
@@ -53,15 +47,8 @@ def bench(preset: str) -> dict:
   r = c.rl
   cfg = config_lib.get_preset(preset).replace(attention_type="sparse")
   params = gnn.init_params(cfg, 0)
-  tx = step_lib.make_optimizer(c)
-  state = grpo.RLState(jnp.zeros((), jnp.int32), params, jax.jit(tx.init)(params))
-  engine = Engine(cfg, params, max_batch=r.group_size * r.prompts_per_step, max_len=r.max_len,
-                  prefill_chunk=r.prefill_chunk, steps_per_sync=r.steps_per_sync)
-  recompute, teacher_logp, update = grpo.make_fns(cfg, tx, r)
-  tok = chat.get_chat_tokenizer("bytes")
-  task, reward_fn = tasks.get("arith"), rewards.get("arith")
-  run = lambda s, st: grpo.rl_step(s, st, engine, task, reward_fn, tok, chat.stop_ids(tok), r,
-                                   c, recompute, teacher_logp, update, None)
+  setup, state = grpo.build(c, cfg, params)
+  run = lambda s, st: grpo.rl_step(setup, st, s)
   t0 = time.perf_counter()
   state, _ = run(0, state)                                  # compile
   compile_s = time.perf_counter() - t0
@@ -69,7 +56,7 @@ def bench(preset: str) -> dict:
   for s in range(1, _STEPS.value + 1):
     t0 = time.perf_counter()
     state, m = run(s, state)
-    engine.params = state.params
+    setup.engine.params = state.params
     m["step_s"] = time.perf_counter() - t0
     rows.append(m)
   mean = lambda k: float(np.mean([m[k] for m in rows]))

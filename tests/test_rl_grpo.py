@@ -48,7 +48,8 @@ def test_grpo_steps_match_the_engine_and_checkpoint(init_workdir, tmp_path):
     assert m["topk_mismatches"] == 0 and m["topk_positions"] > 0, m
     assert m["icepop_masked_frac"] == 0.0
     assert np.isfinite(m["loss"]) and m["tokens"] > 0
-  assert "initial_heldout_accuracy" in last and last["heldout_problems"] == 8
+  assert [m["step"] for m in _metrics(wd) if "heldout_accuracy" in m] == [0, 2]
+  assert last["heldout_problems"] == 8
   assert sorted(os.listdir(os.path.join(wd, "checkpoints"))) == ["1", "2"]
   # Run again in the same workdir: it finds step 2 and has nothing left to do.
   grpo.run(_config(init_workdir), wd)
@@ -84,15 +85,26 @@ def test_missing_init_from_is_named(tmp_path):
 
 
 @pytest.mark.slow
-def test_killed_and_restarted_run_reproduces_the_uninterrupted_metrics(init_workdir, tmp_path):
+def test_killed_and_restarted_run_reproduces_the_uninterrupted_metrics(init_workdir, tmp_path,
+                                                                        monkeypatch):
   full, split = str(tmp_path / "full"), str(tmp_path / "split")
-  c = _config(init_workdir, eval_every=1)
+  c = _config(init_workdir, eval_every=1, checkpoint_every=2)
   c.total_steps = 4
   grpo.run(c, full)
-  c2 = _config(init_workdir, eval_every=1)
-  grpo.run(c2, split)                       # stops after 2 steps with a checkpoint
-  grpo.run(c, split)                        # resumes at 2
-  timing = ("_s", "eval_s")
+  # Killed during step 4: step 3's metrics are written, its checkpoint is not (every 2).
+  real_step = grpo.rl_step
+
+  def dies_at_step_4(setup, state, step):
+    if step == 3:
+      raise KeyboardInterrupt("killed")
+    return real_step(setup, state, step)
+  monkeypatch.setattr(grpo, "rl_step", dies_at_step_4)
+  with pytest.raises(KeyboardInterrupt):
+    grpo.run(c, split)
+  assert max(m["step"] for m in _metrics(split)) == 3
+  monkeypatch.setattr(grpo, "rl_step", real_step)
+  grpo.run(c, split)                        # resumes from the checkpoint of step 2
+  timing = ("_s",)
   strip = lambda rows: [{k: v for k, v in m.items() if not k.endswith(timing)} for m in rows]
   assert strip(_metrics(split)) == strip(_metrics(full))
 

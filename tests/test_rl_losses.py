@@ -431,3 +431,14 @@ _Z = np.zeros((2, 3), np.float32)
 def test_bad_input_names_the_argument(call, error, words):
   with pytest.raises(error, match=words):
     call()
+
+
+def test_group_advantages_ignore_invalid_samples(x64):
+  rewards = np.array([[1.0, 0.0, 5.0, 1.0], [0.0, 1.0, 1.0, 0.0]])
+  valid = np.array([[1, 1, 0, 1], [1, 1, 1, 1]])
+  got = np.asarray(rl.group_advantages(rewards, valid=valid, normalize_std=True, eps=0.0))
+  kept = np.array([1.0, 0.0, 1.0])
+  want0 = (kept - kept.mean()) / kept.std(ddof=1)
+  np.testing.assert_allclose(got[0], [want0[0], want0[1], 0.0, want0[2]], rtol=1e-12)
+  np.testing.assert_allclose(got[1], _np_group_advantages(rewards[1:], True, 0.0)[0],
+                             rtol=1e-12)

@@ -45,9 +45,9 @@ def _expand(sources) -> list[str]:
   return files
 
 
-def fingerprint(sources, tokenizer: str) -> dict:
-  """What a data directory is prepared from: tokenizer and each file's path and size."""
-  return {"tokenizer": tokenizer,
+def fingerprint(sources, tokenizer: str, val_fraction: float) -> dict:
+  """What a data directory is prepared from: tokenizer, split and each file's path and size."""
+  return {"tokenizer": tokenizer, "val_fraction": val_fraction,
           "files": [[os.path.abspath(f), os.path.getsize(f)] for f in _expand(sources)]}
 
 
@@ -92,23 +92,26 @@ def prepare(sources, out: str, *, tokenizer: str = "bytes", val_fraction: float 
                  for i in range(num_shards)] for s in SPLITS}
   lengths = {s: [] for s in SPLITS}
   loss_tokens = {s: 0 for s in SPLITS}
-  for path in _expand(sources):
-    for where, record in read_conversations(path):
-      conv = chat.validate(record, where)
-      r = chat.render(conv, tok, preserve_reasoning=preserve_reasoning)
-      split = _split_of(json.dumps(conv["messages"], sort_keys=True), val_fraction)
-      writers[split][len(lengths[split]) % num_shards].write(encode_record(r.ids, r.loss_mask))
-      lengths[split].append(len(r.ids))
-      loss_tokens[split] += int(np.sum(r.loss_mask))
-  for ws in writers.values():
-    for w in ws:
-      w.close()
+  try:
+    for path in _expand(sources):
+      for where, record in read_conversations(path):
+        conv = chat.validate(record, where)
+        r = chat.render(conv, tok, preserve_reasoning=preserve_reasoning)
+        split = _split_of(json.dumps(conv["messages"], sort_keys=True), val_fraction)
+        writers[split][len(lengths[split]) % num_shards].write(encode_record(r.ids,
+                                                                             r.loss_mask))
+        lengths[split].append(len(r.ids))
+        loss_tokens[split] += int(np.sum(r.loss_mask))
+  finally:
+    for ws in writers.values():
+      for w in ws:
+        w.close()
   if not lengths["train"]:
     raise ValueError(f"data.sources={sources!r}: no training conversations")
   for s in SPLITS:
     np.save(os.path.join(out, f"{s}-lengths.npy"), np.asarray(lengths[s], np.int32))
   meta = {"kind": "sft", "vocab_size": tok.vocab_size, "val_fraction": val_fraction,
-          "source": fingerprint(sources, tokenizer),
+          "source": fingerprint(sources, tokenizer, val_fraction),
           "splits": {s: {"conversations": len(lengths[s]), "tokens": int(sum(lengths[s])),
                          "loss_tokens": loss_tokens[s]} for s in SPLITS}}
   with open(os.path.join(out, META), "w") as f:
@@ -132,11 +135,12 @@ def ensure(data_dir: str, sources, *, tokenizer: str = "bytes", val_fraction: fl
   if not os.path.exists(os.path.join(data_dir, META)):
     return prepare(sources, data_dir, tokenizer=tokenizer, val_fraction=val_fraction)
   meta = load_meta(data_dir)
-  if sources and meta["source"] != fingerprint(sources, tokenizer):
+  now = fingerprint(sources, tokenizer, val_fraction) if sources else None
+  if now and meta["source"] != now:
     raise ValueError(
         f"data.dir={data_dir!r} was prepared from {meta['source']}, but data.sources / "
-        f"data.tokenizer now give {fingerprint(sources, tokenizer)}; use another data.dir or "
-        "delete this one")
+        f"data.tokenizer / data.val_fraction now give {now}; use another data.dir or delete "
+        "this one")
   return meta
 
 

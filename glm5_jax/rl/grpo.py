@@ -16,13 +16,20 @@ With `distill.teacher`, on-policy distillation (GLM-5 §3): each token's advanta
 `distill.coef` * sg(log pi_teacher - log pi_train) plus, if `distill.task_advantage`, the
 task's GRPO advantage.
 
+A sample whose reward function failed (an exception, a sandbox that could not start) is
+an environment failure, not a wrong answer: it gets no loss and does not count in its
+group's mean. Sampling is at temperature 1: the losses' ratios compare raw-policy log-probs,
+which are the sampling distribution's only then.
+
 Held-out accuracy (greedy) at the start and every `eval_every` steps. Checkpoints (orbax)
 hold params, optimizer state and step; everything random derives from (seed, step), so a
-killed and restarted run reproduces the uninterrupted run's metrics exactly on CPU.
+killed and restarted run reproduces the uninterrupted run's metrics exactly on CPU (rows a
+killed run wrote after its last checkpoint are replaced). SIGTERM checkpoints and stops.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import time
@@ -62,17 +69,33 @@ def _seed(*parts) -> int:
 
 
 def validate(c) -> None:
+  """Clear errors, naming the config field, before anything is built."""
   r = c.rl
+  if c.stage != "rl":
+    raise ValueError(f"config.stage={c.stage!r}: RL runs stage 'rl' (the indexer frozen)")
   for f in ("group_size", "prompts_per_step", "minibatches", "max_new_tokens", "eval_every",
-            "checkpoint_every", "eval_problems"):
+            "checkpoint_every", "eval_problems", "max_len", "prefill_chunk", "steps_per_sync",
+            "logprob_chunk"):
     if r[f] < 1:
       raise ValueError(f"config.rl.{f}={r[f]}: expected >= 1")
+  for f in ("log_every", "total_steps", "keep_checkpoints"):
+    if c[f] < 1:
+      raise ValueError(f"config.{f}={c[f]}: expected >= 1")
   if r.group_size < 2:
     raise ValueError(f"config.rl.group_size={r.group_size}: GRPO needs >= 2 samples per prompt")
   n = r.group_size * r.prompts_per_step
-  if n % r.minibatches:
-    raise ValueError(f"config.rl.minibatches={r.minibatches} does not divide the "
-                     f"{n} rollouts per step (group_size * prompts_per_step)")
+  if r.minibatches < 2 or n % r.minibatches:
+    raise ValueError(f"config.rl.minibatches={r.minibatches}: expected >= 2 (so the clip acts) "
+                     f"and a divisor of the {n} rollouts per step (group_size * prompts_per_step)")
+  if r.temperature != 1.0:
+    raise ValueError(f"config.rl.temperature={r.temperature}: expected 1.0; the losses compare "
+                     "raw-policy log-probs, which are the sampling distribution's only at 1")
+  for name, value in (("icepop_beta", r.icepop_beta), ("eps_low", r.eps_low),
+                      ("eps_high", r.eps_high)):
+    try:
+      rl_losses.check_hparams(**{"beta" if name == "icepop_beta" else name: value})
+    except ValueError as e:
+      raise ValueError(f"config.rl.{name}: {e}") from None
   if not c.init_from:
     raise ValueError("config.init_from: RL starts from a trained model (an SFT workdir, a "
                      "pretraining workdir or a Hugging Face directory)")
@@ -86,17 +109,27 @@ def load_policy(path: str, what: str):
     raise ValueError(f"{what}={path!r}: {e}") from None
 
 
-def check_same_shape(params_a, params_b, what: str) -> None:
-  shape = lambda t: jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), t)
-  sa, sb = shape(params_a), shape(params_b)
-  if jax.tree.structure(sa) != jax.tree.structure(sb) or sa != sb:
-    raise ValueError(f"{what}: its model has another shape than the policy's; a teacher "
-                     "must be a checkpoint of the same model")
+def _task(r):
+  try:
+    task = tasks_lib.get(r.task, **dict(r.task_options))
+  except ValueError as e:
+    raise ValueError(f"config.rl.task={r.task!r} with config.rl.task_options="
+                     f"{dict(r.task_options)} (filled for the config's default task; give the "
+                     f"chosen task's options): {e}") from None
+  try:
+    reward_fn = rewards_lib.get(r.reward or r.task)
+  except ValueError as e:
+    raise ValueError(f"config.rl.reward={r.reward or r.task!r}: {e}") from None
+  return task, reward_fn
 
 
 def make_fns(cfg, tx, r):
-  """(recompute, update) jitted: recompute(params, batch) -> (logp, entropy, top-k);
-  update(state, minibatch) -> (state, metrics)."""
+  """Jitted (recompute, teacher_logp, update):
+    recompute(params, batch) -> (logp [b, t], entropy [b, t], top-k [L] of [b, t, K])
+    teacher_logp(params, batch) -> logp [b, t]
+    update(state, minibatch) -> (state, metrics): one optimizer step on icepop_grpo_loss
+  batch: the `TrajectoryBatch` fields as arrays (+ old_logp [b, t] for update; advantages
+  [b] or, with OPD, [b, t])."""
   fwd = functools.partial(policy.policy_forward, cfg=cfg, chunk_size=r.logprob_chunk)
 
   @jax.jit
@@ -114,8 +147,7 @@ def make_fns(cfg, tx, r):
       loss, m = rl_losses.icepop_grpo_loss(
           logp, mb["old_logp"], mb["rollout_logp"], mb["advantages"], mb["loss_mask"],
           beta=r.icepop_beta, eps_low=r.eps_low, eps_high=r.eps_high)
-      n = jnp.maximum(jnp.sum(mb["loss_mask"]), 1.0)
-      return loss, {**m, "entropy": jnp.sum(ent * mb["loss_mask"]) / n}
+      return loss, {**m, "entropy": rl_losses.token_mean(ent, mb["loss_mask"])}
     (loss, m), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -126,32 +158,109 @@ def make_fns(cfg, tx, r):
   return recompute, teacher_logp, update
 
 
-def _device_batch(b: traj_lib.TrajectoryBatch, **extra):
-  d = {k: jnp.asarray(v) for k, v in b._asdict().items()
-       if k in ("tokens", "positions", "segment_ids", "loss_mask", "rollout_logp", "advantages")}
-  return {**d, **{k: jnp.asarray(v) for k, v in extra.items()}}
+@dataclasses.dataclass
+class Setup:
+  """What `run` builds once and every `rl_step` uses."""
+  c: object
+  cfg: object
+  task: object
+  reward_fn: object
+  tok: object
+  engine: Engine
+  recompute: object
+  teacher_logp: object
+  update: object
+  teacher: object = None
 
 
-def consistency_metrics(batch, old_logp, topk, trajs) -> dict:
-  """Train/rollout log-prob |diff| on response tokens, mismatch KL and top-k mismatches."""
+def build(c, cfg, params, *, teacher=None) -> tuple[Setup, RLState]:
+  """The engine (sized to one step's rollouts), the jitted functions and a fresh state."""
+  r = c.rl
+  task, reward_fn = _task(r)
+  tok = chat.get_chat_tokenizer(c.data.tokenizer)
+  if tok.vocab_size > cfg.vocab_size:
+    raise ValueError(f"config.data.tokenizer={c.data.tokenizer!r} has {tok.vocab_size} ids > "
+                     f"the model's vocab_size={cfg.vocab_size}")
+  tx = step_lib.make_optimizer(c)
+  state = RLState(jnp.zeros((), jnp.int32), params, jax.jit(tx.init)(params))
+  # Every engine step runs all max_batch slots: size it to one step's rollouts exactly.
+  try:
+    engine = Engine(cfg, params, max_batch=r.group_size * r.prompts_per_step,
+                    max_len=r.max_len, prefill_chunk=r.prefill_chunk,
+                    steps_per_sync=r.steps_per_sync)
+  except ValueError as e:
+    raise ValueError(f"config.rl (max_len / prefill_chunk / steps_per_sync): {e}") from None
+  return Setup(c, cfg, task, reward_fn, tok, engine, *make_fns(cfg, tx, r), teacher), state
+
+
+def consistency_metrics(batch, old_logp_bt, topk, trajs) -> dict:
+  """Train/rollout agreement on the response tokens of `batch`: log-prob |diff| (max, mean),
+  the k3 mismatch KL (rollout || train) and the positions where some layer's top-k differs.
+  old_logp_bt: the trainer's log-probs [b, t]; topk: its per-layer top-k [L] of [b, t, K]."""
   mask = batch.loss_mask > 0
-  diff = np.abs(np.asarray(old_logp) - batch.rollout_logp)[mask]
-  x = (np.asarray(old_logp) - batch.rollout_logp)[mask].astype(np.float64)
+  x = (batch.rollout_logp - np.asarray(old_logp_bt, np.float64))[mask]
   bad, total = policy.topk_mismatches(trajs, topk) if topk is not None else (0, 0)
-  return {"logp_abs_diff_max": float(diff.max(initial=0.0)),
-          "logp_abs_diff_mean": float(diff.mean()) if diff.size else 0.0,
+  return {"logp_abs_diff_max": float(np.abs(x).max(initial=0.0)),
+          "logp_abs_diff_mean": float(np.abs(x).mean()) if x.size else 0.0,
           "mismatch_kl_k3": float(np.mean(np.exp(-x) - 1 + x)) if x.size else 0.0,
           "topk_mismatches": float(bad), "topk_positions": float(total)}
+
+
+def _device_batch(b: traj_lib.TrajectoryBatch) -> dict:
+  return {k: jnp.asarray(getattr(b, k)) for k in ("tokens", "positions", "segment_ids",
+                                                  "loss_mask", "rollout_logp", "advantages")}
+
+
+def rl_step(s: Setup, state: RLState, step: int):
+  """One GRPO step (module docstring, steps 1-5). Returns (new state, metrics)."""
+  c, r = s.c, s.c.rl
+  problems = s.task.problems("train", r.prompts_per_step, _seed(c.seed, step, 1))
+  sp = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                      stop_token_ids=chat.stop_ids(s.tok), seed=_seed(c.seed, step, 2))
+  trajs, stats = rollout_lib.rollout(s.engine, s.task, s.reward_fn, problems, s.tok,
+                                     group_size=r.group_size, sampling=sp, version=step,
+                                     enable_thinking=r.enable_thinking)
+  rewards = np.asarray([tr.reward for tr in trajs], np.float32)
+  valid = np.asarray([tr.error is None for tr in trajs])
+  shape = (r.prompts_per_step, r.group_size)
+  adv = np.asarray(rl_losses.group_advantages(
+      jnp.asarray(rewards.reshape(shape)), normalize_std=r.normalize_std,
+      valid=jnp.asarray(valid.reshape(shape)))).reshape(-1)
+  use_task = s.teacher is None or c.distill.task_advantage
+  batch = traj_lib.make_batch(trajs, adv if use_task else np.zeros_like(adv))
+  batch.loss_mask[~valid] = 0.0                  # environment failures carry no loss
+  t0 = time.perf_counter()
+  dev = _device_batch(batch)
+  old_logp, ent, topk = s.recompute(state.params, dev)
+  m = consistency_metrics(batch, old_logp, topk, trajs)
+  advantages = dev["advantages"]
+  if s.teacher is not None:                      # on-policy distillation, per token
+    opd = rl_losses.opd_advantages(s.teacher_logp(s.teacher, dev), old_logp)
+    advantages = advantages[:, None] + c.distill.coef * opd
+    m["opd_advantage_mean"] = float(rl_losses.token_mean(opd, dev["loss_mask"]))
+  dev = {**dev, "old_logp": old_logp, "advantages": advantages}
+  t1 = time.perf_counter()
+  order = np.random.default_rng(_seed(c.seed, step, 3)).permutation(len(trajs))
+  per_mb = []
+  for idx in np.split(order, r.minibatches):
+    state, mm = s.update(state, {k: v[jnp.asarray(idx)] for k, v in dev.items()})
+    per_mb.append(mm)
+  per_mb = jax.device_get(per_mb)
+  t2 = time.perf_counter()
+  m.update({k: float(np.mean([float(x[k]) for x in per_mb])) for k in per_mb[0]})
+  m.update(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
+           train_accuracy=float(np.mean(rewards >= 1.0)), env_failures=float((~valid).sum()),
+           entropy_old=float(rl_losses.token_mean(ent, dev["loss_mask"])),
+           batch_tokens=float(batch.segment_ids.sum()), batch_length=float(batch.tokens.shape[1]),
+           recompute_s=t1 - t0, update_s=t2 - t1, **stats)
+  return RLState(state.step + 1, state.params, state.opt_state), m
 
 
 class _Checkpoints:
   """orbax manager of RLState (params, optimizer state, step)."""
 
   def __init__(self, workdir, keep):
-    self.mngr = ocp.CheckpointManager(
-        os.path.join(os.path.abspath(workdir), "checkpoints"),
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
-        item_handlers={"state": ocp.StandardCheckpointHandler()})
+    self.mngr = ckpt_lib.state_manager(workdir, keep=keep)
 
   def save(self, step, state):
     self.mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state)), force=True)
@@ -169,6 +278,19 @@ class _Checkpoints:
     self.mngr.close()
 
 
+def _load_teacher(c, cfg, params):
+  if not c.distill.teacher:
+    return None
+  what = f"config.distill.teacher={c.distill.teacher!r}"
+  t_cfg, teacher = load_policy(c.distill.teacher, "config.distill.teacher")
+  diff = ckpt_lib.model_diff(ckpt_lib.model_fields(t_cfg), ckpt_lib.model_fields(cfg))
+  shape = lambda t: jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), t)
+  if diff or shape(teacher) != shape(params):
+    raise ValueError(f"{what}: a teacher must be a checkpoint of the policy's model; "
+                     f"its config differs (field: (teacher, policy)): {diff}")
+  return teacher
+
+
 def run(c, workdir: str) -> dict:
   """Runs `c.total_steps` GRPO steps in `workdir` (resuming if it holds a checkpoint)."""
   validate(c)
@@ -176,122 +298,64 @@ def run(c, workdir: str) -> dict:
   if jax.default_backend() == "cpu" and not numerics.is_set():
     logging.warning("XLA:CPU without batch-invariant dots: the engine's and the trainer's "
                     "log-probs will differ in the last bits (glm5_jax/numerics.py)")
-  r = c.rl
-  task = tasks_lib.get(r.task, **dict(r.task_options))
-  reward_fn = rewards_lib.get(r.reward or r.task)
-  tok = chat.get_chat_tokenizer(c.data.tokenizer)
   cfg, params = load_policy(c.init_from, "config.init_from")
   cfg = cfg.replace(attention_type="sparse")
-  if tok.vocab_size > cfg.vocab_size:
-    raise ValueError(f"data.tokenizer={c.data.tokenizer!r} has {tok.vocab_size} ids > the "
-                     f"model's vocab_size={cfg.vocab_size}")
+  teacher = _load_teacher(c, cfg, params)
   ckpt_lib.check_model_config(workdir, cfg)
-  teacher = None
-  if c.distill.teacher:
-    _, teacher = load_policy(c.distill.teacher, "config.distill.teacher")
-    check_same_shape(params, teacher, f"config.distill.teacher={c.distill.teacher!r}")
-
-  tx = step_lib.make_optimizer(c)
-  state = RLState(jnp.zeros((), jnp.int32), params, jax.jit(tx.init)(params))
-  ckpts = _Checkpoints(workdir, c.keep_checkpoints)
-  restored = ckpts.restore(jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))
-  state = restored if restored is not None else state
-  start = int(state.step)
-
-  n_req = r.group_size * r.prompts_per_step
-  # Every engine step runs all max_batch slots: size it to one step's rollouts exactly.
-  engine = Engine(cfg, state.params, max_batch=n_req, max_len=r.max_len,
-                  prefill_chunk=r.prefill_chunk, steps_per_sync=r.steps_per_sync)
-  recompute, teacher_logp, update = make_fns(cfg, tx, r)
-  stop = chat.stop_ids(tok)
-  heldout = task.problems("heldout", r.eval_problems, c.seed)
-  writer = metrics_lib.MetricWriter(workdir, tensorboard=c.tensorboard)
-  last = {}
-
-  def evaluate(step):
-    t0 = time.perf_counter()
-    ev = rollout_lib.heldout_accuracy(engine, task, reward_fn, heldout, tok,
-                                      max_new_tokens=r.max_new_tokens,
-                                      enable_thinking=r.enable_thinking)
-    ev["eval_s"] = time.perf_counter() - t0
-    writer.write(step, ev, prefix="heldout_")
-    logging.info("[rl] step %d held-out accuracy %.4f (%d problems, %.1fs)", step,
-                 ev["accuracy"], ev["problems"], ev["eval_s"])
-    last.update({f"heldout_{k}": v for k, v in ev.items()})
-    if step == 0:
-      last.update({f"initial_heldout_{k}": v for k, v in ev.items()})
-    return ev
-
+  setup, state = build(c, cfg, params, teacher=teacher)
+  r = c.rl
   try:
+    heldout = setup.task.problems("heldout", r.eval_problems, c.seed)
+  except ValueError as e:
+    raise ValueError(f"config.rl.eval_problems={r.eval_problems}: {e}") from None
+  ckpts = _Checkpoints(workdir, c.keep_checkpoints)
+  sigterm = ckpt_lib.SigtermFlag()
+  writer = None
+  last = {}
+  try:
+    restored = ckpts.restore(jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))
+    state = restored if restored is not None else state
+    start = int(state.step)
+    setup.engine.params = state.params
+    writer = metrics_lib.MetricWriter(workdir, tensorboard=c.tensorboard,
+                                      resume_step=start if restored is not None else -1)
+
+    def evaluate(step):
+      t0 = time.perf_counter()
+      ev = rollout_lib.heldout_accuracy(setup.engine, setup.task, setup.reward_fn, heldout,
+                                        setup.tok, max_new_tokens=r.max_new_tokens,
+                                        enable_thinking=r.enable_thinking)
+      ev["eval_s"] = time.perf_counter() - t0
+      writer.write(step, ev, prefix="heldout_")
+      logging.info("[rl] step %d held-out accuracy %.4f (%d problems, %.1fs)", step,
+                   ev["accuracy"], ev["problems"], ev["eval_s"])
+      last.update({f"heldout_{k}": v for k, v in ev.items()})
+
     if start == 0:
       evaluate(0)
     for step in range(start, c.total_steps):
-      m = rl_step(step, state, engine, task, reward_fn, tok, stop, r, c, recompute,
-                  teacher_logp, update, teacher)
-      state, m = m
-      engine.params = state.params                                  # 6. publish
+      state, m = rl_step(setup, state, step)
+      setup.engine.params = state.params                            # 6. publish
       writer.write(step + 1, m)
       last.update(m)
-      if (step + 1) % c.log_every == 0 or step + 1 == c.total_steps:
+      done = step + 1 == c.total_steps
+      if (step + 1) % c.log_every == 0 or done or sigterm.hit:
         logging.info("[rl] step %d/%d  reward %.3f  |dlogp| max %.2e  topk mism %d  masked %.4f"
                      "  clip %.3f  len %.1f  (rollout %.1fs, update %.1fs)", step + 1,
                      c.total_steps, m["reward_mean"], m["logp_abs_diff_max"],
                      m["topk_mismatches"], m["icepop_masked_frac"], m["clip_frac"],
                      m["response_len_mean"], m["rollout_s"], m["update_s"])
-      if (step + 1) % r.eval_every == 0 or step + 1 == c.total_steps:
+      if (step + 1) % r.eval_every == 0 or done:
         evaluate(step + 1)
-      if (step + 1) % r.checkpoint_every == 0 or step + 1 == c.total_steps:
+      if (step + 1) % r.checkpoint_every == 0 or done or sigterm.hit:
         ckpts.save(step + 1, state)
       writer.flush()
+      if sigterm.hit:
+        break
   finally:
+    sigterm.restore()
     ckpts.close()
-    writer.close()
+    if writer is not None:
+      writer.close()
   return last
-
-
-def rl_step(step, state, engine, task, reward_fn, tok, stop, r, c, recompute, teacher_logp,
-            update, teacher):
-  """One GRPO step (module docstring, steps 1-5). Returns (new state, metrics)."""
-  problems = task.problems("train", r.prompts_per_step, _seed(c.seed, step, 1))
-  sp = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                      stop_token_ids=stop, seed=_seed(c.seed, step, 2))
-  trajs, stats = rollout_lib.rollout(engine, task, reward_fn, problems, tok,
-                                     group_size=r.group_size, sampling=sp, version=step,
-                                     enable_thinking=r.enable_thinking)
-  rewards = np.asarray([tr.reward for tr in trajs], np.float32)
-  adv = np.asarray(rl_losses.group_advantages(
-      jnp.asarray(rewards.reshape(r.prompts_per_step, r.group_size)),
-      normalize_std=r.normalize_std)).reshape(-1)
-  use_task = teacher is None or c.distill.task_advantage
-  batch = traj_lib.make_batch(trajs, adv if use_task else np.zeros_like(adv))
-  t0 = time.perf_counter()
-  dev = _device_batch(batch)
-  old_logp, ent, topk = recompute(state.params, dev)
-  m = consistency_metrics(batch, old_logp, topk, trajs)
-  advantages = dev["advantages"]
-  if teacher is not None:                       # on-policy distillation, per token
-    opd = rl_losses.opd_advantages(teacher_logp(teacher, dev), old_logp)
-    advantages = advantages[:, None] + c.distill.coef * opd
-    m["opd_advantage_mean"] = float(jnp.sum(opd * dev["loss_mask"]) /
-                                    jnp.maximum(jnp.sum(dev["loss_mask"]), 1.0))
-  dev = {**dev, "old_logp": old_logp, "advantages": advantages}
-  t1 = time.perf_counter()
-  order = np.random.default_rng(_seed(c.seed, step, 3)).permutation(len(trajs))
-  per_mb = []
-  for idx in np.split(order, r.minibatches):
-    mb = {k: v[jnp.asarray(idx)] for k, v in dev.items()}
-    state, mm = update(state, mb)
-    per_mb.append(mm)
-  per_mb = jax.device_get(per_mb)
-  t2 = time.perf_counter()
-  state = RLState(state.step + 1, state.params, state.opt_state)
-  mean = lambda k: float(np.mean([float(x[k]) for x in per_mb]))
-  m.update({k: mean(k) for k in per_mb[0]})
-  m.update(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
-           train_accuracy=float(np.mean(rewards >= 1.0)),
-           entropy_rollout=float(jnp.sum(ent * dev["loss_mask"]) /
-                                 jnp.maximum(jnp.sum(dev["loss_mask"]), 1.0)),
-           batch_tokens=float(batch.segment_ids.sum()), batch_length=float(batch.tokens.shape[1]),
-           recompute_s=t1 - t0, update_s=t2 - t1, **stats)
-  return state, m

@@ -66,7 +66,7 @@ _HPARAMS = {
 # Inputs and reductions
 # --------------------------------------------------------------------------------------
 
-def _check_hparams(**values):
+def check_hparams(**values):
   for name, value in values.items():
     ok, allowed = _HPARAMS[name]
     if isinstance(value, numbers.Real) and not ok(value):
@@ -119,7 +119,7 @@ def _log_ratio(logp_a, logp_b):
   return jnp.clip(logp_a - logp_b, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
-def _token_mean(x_bt, m_bt):
+def token_mean(x_bt, m_bt):
   """sum(x * m) / sum(m); 0 when the mask is empty."""
   return jnp.sum(x_bt * m_bt) / jnp.maximum(jnp.sum(m_bt), 1.0)
 
@@ -137,7 +137,7 @@ def _base_metrics(r_bt, m_bt):
   on = m_bt > 0
   return {
       "ratio_min": jnp.where(has, jnp.min(jnp.where(on, r_bt, jnp.inf)), 0.0),
-      "ratio_mean": _token_mean(r_bt, m_bt),
+      "ratio_mean": token_mean(r_bt, m_bt),
       "ratio_max": jnp.where(has, jnp.max(jnp.where(on, r_bt, -jnp.inf)), 0.0),
       "tokens": jnp.sum(m_bt),
       "seqs": jnp.sum(jnp.sum(m_bt, axis=-1) > 0).astype(m_bt.dtype),
@@ -160,7 +160,7 @@ def _clipped_surrogate(r_bt, a_bt, eps_low, eps_high):
 # Advantages
 # --------------------------------------------------------------------------------------
 
-def group_advantages(rewards, *, normalize_std=False, eps=1e-6):
+def group_advantages(rewards, *, normalize_std=False, eps=1e-6, valid=None):
   """GRPO advantages: each reward minus its group's mean (GLM-5 §3; DeepSeekMath §4.1).
 
   Args:
@@ -170,20 +170,27 @@ def group_advantages(rewards, *, normalize_std=False, eps=1e-6):
       `_post_process_rewards`) and verl (`compute_grpo_outcome_advantage`), so normalized
       advantages match theirs; a group of one gets 0 (its centred reward is 0).
     eps: added to the std.
+    valid: optional [groups, G] 0/1 mask of samples whose reward counts (e.g. not an
+      environment failure): the mean and std are over the valid samples of each group, and
+      invalid samples get advantage 0.
 
   Returns:
     [groups, G] advantages in float32 (or the rewards' wider float type).
   """
-  _check_hparams(eps=eps)
+  check_hparams(eps=eps)
   rewards = jnp.asarray(rewards)
   if rewards.ndim != 2:
     raise ValueError(f"rewards: shape {rewards.shape}; expected [groups, group_size]")
   dtype = jnp.promote_types(rewards.dtype, jnp.float32)
-  centred = rewards.astype(dtype) - jnp.mean(rewards.astype(dtype), axis=-1, keepdims=True)
+  r = rewards.astype(dtype)
+  v = jnp.ones_like(r) if valid is None else (jnp.asarray(valid) > 0).astype(dtype)
+  if v.shape != r.shape:
+    raise ValueError(f"valid: shape {v.shape}; expected the rewards' {r.shape}")
+  n = jnp.sum(v, axis=-1, keepdims=True)
+  centred = v * (r - jnp.sum(v * r, axis=-1, keepdims=True) / jnp.maximum(n, 1.0))
   if not normalize_std:
     return centred
-  g = rewards.shape[-1]
-  std = jnp.sqrt(jnp.sum(centred ** 2, axis=-1, keepdims=True) / max(g - 1, 1))
+  std = jnp.sqrt(jnp.sum(centred ** 2, axis=-1, keepdims=True) / jnp.maximum(n - 1, 1.0))
   return centred / (std + eps)
 
 
@@ -226,9 +233,9 @@ def _mismatch_weighted_grpo(weight_fn, flag_name, logp, old_logp, rollout_logp, 
   r = jnp.exp(_log_ratio(lp["logp"], old))
   surrogate, clipped = _clipped_surrogate(r, a, eps_low, eps_high)
   loss = -_sequence_mean(w * surrogate, m)
-  metrics = {**_base_metrics(r, m), "clip_frac": _token_mean(clipped.astype(m.dtype), m),
-             flag_name: _token_mean(flagged.astype(m.dtype), m),
-             "mismatch_kl": _token_mean(_k3(-log_rho), m)}
+  metrics = {**_base_metrics(r, m), "clip_frac": token_mean(clipped.astype(m.dtype), m),
+             flag_name: token_mean(flagged.astype(m.dtype), m),
+             "mismatch_kl": token_mean(_k3(-log_rho), m)}
   return loss, jax.lax.stop_gradient(metrics)
 
 
@@ -256,7 +263,7 @@ def icepop_grpo_loss(logp, old_logp, rollout_logp, advantages, mask, *, beta=2.0
     (scalar loss, metrics dict: ratio_*, clip_frac, icepop_masked_frac, mismatch_kl, tokens,
     seqs).
   """
-  _check_hparams(beta=beta, eps_low=eps_low, eps_high=eps_high)
+  check_hparams(beta=beta, eps_low=eps_low, eps_high=eps_high)
 
   def pop(rho):
     keep = (rho >= 1.0 / beta) & (rho <= beta)
@@ -277,7 +284,7 @@ def tis_grpo_loss(logp, old_logp, rollout_logp, advantages, mask, *, cap=2.0, ep
   Returns:
     (scalar loss, metrics dict: ratio_*, clip_frac, tis_trunc_frac, mismatch_kl, tokens, seqs).
   """
-  _check_hparams(cap=cap, eps_low=eps_low, eps_high=eps_high)
+  check_hparams(cap=cap, eps_low=eps_low, eps_high=eps_high)
 
   def truncate(rho):
     return jnp.minimum(rho, cap), rho > cap
@@ -309,7 +316,7 @@ def double_sided_is_loss(logp, rollout_logp, advantages, mask, *, eps_low=0.2, e
   Returns:
     (scalar loss, metrics dict: ratio_*, is_masked_frac, mismatch_kl, tokens, seqs).
   """
-  _check_hparams(eps_low=eps_low, eps_high=eps_high)
+  check_hparams(eps_low=eps_low, eps_high=eps_high)
   m, a, lp = _token_inputs(advantages, mask, logp=logp, rollout_logp=rollout_logp)
   logp = lp["logp"]
   log_r = jax.lax.stop_gradient(_log_ratio(logp, lp["rollout_logp"]))
@@ -317,9 +324,9 @@ def double_sided_is_loss(logp, rollout_logp, advantages, mask, *, eps_low=0.2, e
   r = jnp.exp(log_r)
   keep = (r > 1.0 - eps_low) & (r < 1.0 + eps_high)
   f = jnp.where(keep, r, 0.0)
-  loss = -_token_mean(f * a * logp, m)
-  metrics = {**_base_metrics(r, m), "is_masked_frac": _token_mean((~keep).astype(m.dtype), m),
-             "mismatch_kl": _token_mean(_k3(-log_r), m)}
+  loss = -token_mean(f * a * logp, m)
+  metrics = {**_base_metrics(r, m), "is_masked_frac": token_mean((~keep).astype(m.dtype), m),
+             "mismatch_kl": token_mean(_k3(-log_r), m)}
   return loss, jax.lax.stop_gradient(metrics)
 
 
@@ -341,12 +348,12 @@ def cispo_loss(logp, old_logp, advantages, mask, *, eps_low=1.0, eps_high=0.28):
   Returns:
     (scalar loss, metrics dict: ratio_*, clip_frac, tokens, seqs).
   """
-  _check_hparams(eps_low=eps_low, eps_high=eps_high)
+  check_hparams(eps_low=eps_low, eps_high=eps_high)
   m, a, lp = _token_inputs(advantages, mask, logp=logp, old_logp=old_logp)
   logp = lp["logp"]
   # Gradient isolation: the clipped IS weight is a constant; the gradient flows through logp.
   r = jax.lax.stop_gradient(jnp.exp(_log_ratio(logp, lp["old_logp"])))
   w = jnp.clip(r, 1.0 - eps_low, 1.0 + eps_high)
-  loss = -_token_mean(w * a * logp, m)
-  metrics = {**_base_metrics(r, m), "clip_frac": _token_mean((w != r).astype(m.dtype), m)}
+  loss = -token_mean(w * a * logp, m)
+  metrics = {**_base_metrics(r, m), "clip_frac": token_mean((w != r).astype(m.dtype), m)}
   return loss, jax.lax.stop_gradient(metrics)

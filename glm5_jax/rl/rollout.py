@@ -8,7 +8,8 @@ and slime's `rollout/`):
 
 Token ids go from the engine into the Trajectory untouched (TITO); the response is decoded
 only to be scored. A response that ran out of tokens (no stop token) is `truncated`, which
-every reward scores 0. A reward function that raises scores 0 and is counted, never stops
+every reward scores 0. A reward function that raises scores 0, is recorded as the
+trajectory's `error` (an environment failure: the trainer gives it no loss) and never stops
 the run.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import time
 
+from absl import logging
 import numpy as np
 
 from glm5_jax.data import chat
@@ -31,11 +33,16 @@ def prompt_ids(task, problem, tokenizer, *, enable_thinking: bool) -> list[int]:
   return chat.render_prompt(conv, tokenizer, enable_thinking=enable_thinking).tolist()
 
 
+def truncated(turn, finish_reason: str) -> bool:
+  """No stop token: the response ran out of `max_new_tokens` or of cache rows."""
+  return turn.ended_by is None or finish_reason != "stop"
+
+
 def score(reward_fn, problem, response_ids, tokenizer, finish_reason: str):
   """(reward, parsed turn, error or None) of one response."""
   turn = chat.parse_assistant(response_ids, tokenizer)
-  truncated = turn.ended_by is None or finish_reason != "stop"
-  reward, err = rewards_lib.safe_call(reward_fn, problem, turn.content, truncated=truncated)
+  reward, err = rewards_lib.safe_call(reward_fn, problem, turn.content,
+                                      truncated=truncated(turn, finish_reason))
   return reward, turn, err
 
 
@@ -53,21 +60,26 @@ def rollout(engine, task, reward_fn, problems, tokenizer, *, group_size: int,
   requests = [p for p in prompts for _ in range(group_size)]
   outs = engine.generate(requests, sampling, record_topk=record_topk)
   t1 = time.perf_counter()
-  trajs, errors, truncated = [], 0, 0
+  trajs, n_trunc = [], 0
   for i, out in enumerate(outs):
     g = i // group_size
     reward, turn, err = score(reward_fn, problems[g], out.token_ids, tokenizer,
                               out.finish_reason)
-    errors += err is not None
-    truncated += turn.ended_by is None
+    n_trunc += truncated(turn, out.finish_reason)
     trajs.append(Trajectory(prompt_ids=requests[i], response_ids=list(out.token_ids),
                             rollout_logp=list(out.logprobs), version=version, group_id=g,
                             reward=reward, finish_reason=out.finish_reason,
-                            topk=out.topk_indices))
+                            topk=out.topk_indices, error=err))
   t2 = time.perf_counter()
+  full = sum(tr.finish_reason == "cache_full" for tr in trajs)
+  if full:
+    logging.warning("rollout: %d responses hit the end of the cache (config.rl.max_len); "
+                    "they are truncated and score 0", full)
   lens = [len(tr.response_ids) for tr in trajs]
-  return trajs, {"rollout_s": t1 - t0, "reward_s": t2 - t1, "reward_errors": errors,
-                 "truncated": truncated, "response_len_mean": float(np.mean(lens))}
+  return trajs, {"rollout_s": t1 - t0, "reward_s": t2 - t1,
+                 "reward_errors": float(sum(tr.error is not None for tr in trajs)),
+                 "truncated": float(n_trunc), "cache_full": float(full),
+                 "response_len_mean": float(np.mean(lens))}
 
 
 def heldout_accuracy(engine, task, reward_fn, problems, tokenizer, *, max_new_tokens: int,

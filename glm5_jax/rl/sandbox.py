@@ -144,9 +144,14 @@ def run_python(code: str, *, stdin: str = "", timeout_s: float = 5.0,
   _check_args(code, stdin, timeout_s, memory_mb)
   start = time.monotonic()
   python = _program_interpreter() if os.geteuid() == 0 else None
+  if os.geteuid() == 0 and python is None:
+    raise SandboxError("running as root, but no python3 that an unprivileged uid can execute "
+                       "was found (/usr/bin/python3, or this interpreter with every parent "
+                       "directory world-executable): the program would run as root")
   uid, lock = _claim_uid() if python else (None, None)
-  workdir = tempfile.mkdtemp(prefix="glm5_sandbox_")
+  workdir = None
   try:
+    workdir = tempfile.mkdtemp(prefix="glm5_sandbox_")
     if uid is not None:
       _kill_uid(uid)                      # leftovers of a trainer that crashed with this uid
       os.chown(workdir, uid, uid)
@@ -157,7 +162,8 @@ def run_python(code: str, *, stdin: str = "", timeout_s: float = 5.0,
                skip=list(_SKIP_LAYERS), host_mount_ns=_mount_ns())
     out, err, err_tail, reports, late = _launch(cfg, stdin.encode("utf-8"))
   finally:
-    _remove_tree(workdir)
+    if workdir is not None:
+      _remove_tree(workdir)
     if lock:
       lock.close()
   if "setup_error" in reports:

@@ -39,6 +39,7 @@ class Trajectory:
   reward: float = 0.0
   finish_reason: str = ""              # engine's: "stop" | "length" | "cache_full"
   topk: dict | None = None             # engine's DSA top-k {position: int32 [L, K]}
+  error: str | None = None             # the reward function failed (environment failure)
 
   def __post_init__(self):
     if len(self.response_ids) != len(self.rollout_logp):

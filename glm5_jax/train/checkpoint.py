@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 
 from absl import logging
 import grain
@@ -87,17 +88,48 @@ def _check_same_shapes(saved, abstract, what: str):
     raise ValueError(f"{what}: the checkpoint's parameters differ from this model: {diff}")
 
 
+_HOW_NOT_WHAT = ("attention_type", "attention_impl", "attention_chunk_size", "remat", "dtype",
+                 "expert_dispatch")      # how a model runs, not which model it is
+
+
+def model_fields(cfg) -> dict:
+  """The ModelConfig fields that define the model (JSON-ready)."""
+  return json.loads(json.dumps({k: v for k, v in dataclasses.asdict(cfg).items()
+                                if k not in _HOW_NOT_WHAT}))
+
+
+def model_diff(old: dict, now: dict) -> dict:
+  """{field: (old, now)} where two `model_fields` differ."""
+  return {k: (old.get(k), now.get(k)) for k in set(old) | set(now) if old.get(k) != now.get(k)}
+
+
+class SigtermFlag:
+  """Sets `.hit` on SIGTERM so a training loop can checkpoint and stop cleanly."""
+
+  def __init__(self):
+    self.hit = False
+    try:
+      self._old = signal.signal(signal.SIGTERM, self._handler)
+    except ValueError:                                 # not in the main thread
+      self._old = None
+
+  def _handler(self, *_):
+    logging.warning("SIGTERM: checkpointing and stopping")
+    self.hit = True
+
+  def restore(self):
+    if self._old is not None:
+      signal.signal(signal.SIGTERM, self._old)
+
+
 def check_model_config(workdir: str, cfg) -> None:
   """Writes WORKDIR/model_config.json, or refuses a workdir of a different model shape."""
   path = os.path.join(workdir, "model_config.json")
-  now = {k: v for k, v in dataclasses.asdict(cfg).items()
-         if k not in ("attention_type", "attention_impl", "attention_chunk_size", "remat", "dtype",
-                      "expert_dispatch")}
-  now = json.loads(json.dumps(now))
+  now = model_fields(cfg)
   if os.path.exists(path):
     with open(path) as f:
       old = json.load(f)
-    diff = {k: (old.get(k), now.get(k)) for k in set(old) | set(now) if old.get(k) != now.get(k)}
+    diff = model_diff(old, now)
     if diff:
       raise ValueError(f"workdir {workdir!r} holds a run of a different model "
                        f"(field: (saved, now)): {diff}; use a new --workdir or "
@@ -109,13 +141,20 @@ def check_model_config(workdir: str, cfg) -> None:
       json.dump(now, f, indent=2)
 
 
+def state_manager(workdir: str, *, keep: int | None = None) -> ocp.CheckpointManager:
+  """A manager of WORKDIR/checkpoints/<step>/state alone (no data iterator: RL, saved
+  params)."""
+  return ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "checkpoints"),
+                               options=ocp.CheckpointManagerOptions(max_to_keep=keep,
+                                                                    create=True),
+                               item_handlers={"state": ocp.StandardCheckpointHandler()})
+
+
 def save_params(workdir: str, cfg, params, *, step: int = 0) -> str:
   """Writes `params` as a workdir that `load_model`, `init_from` and RL's `init_from` /
   `distill.teacher` read (model_config.json + checkpoints/<step>/state). Returns its path."""
   check_model_config(workdir, cfg)
-  with ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "checkpoints"),
-                             options=ocp.CheckpointManagerOptions(create=True),
-                             item_handlers={"state": ocp.StandardCheckpointHandler()}) as m:
+  with state_manager(workdir) as m:
     m.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave({"params": params})),
            force=True)
     m.wait_until_finished()

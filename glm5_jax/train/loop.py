@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import signal
 
 from absl import logging
 import jax
@@ -67,19 +66,26 @@ def _validate(c, cfg, n_proc: int, mesh) -> None:
       raise ValueError(f"config.{f}={c[f]}: expected >= 1")
 
 
+_DATA = {"corpus": corpus, "conversations": sft}     # a stage's data -> its module
+
+
+def _data_module(c):
+  return _DATA[step_lib.get_stage(c.stage).data]
+
+
 def ensure_data(c) -> dict:
   """Prepares the stage's data on first use (process 0), then reads its metadata.
 
-  Pretraining stages read the tokenized corpus (`corpus.prepare`); `sft` reads conversations
-  (`sft.prepare` of `data.sources`, JSONL).
+  Pretraining stages read the tokenized corpus (`corpus.prepare` of `data.source_dir`);
+  `sft` reads conversations (`sft.prepare` of `data.sources`, JSONL).
   """
-  d = c.data
+  d, mod = c.data, _data_module(c)
   if not os.path.exists(os.path.join(d.dir, corpus.META)):
     if not d.prepare_if_missing:
-      (sft if c.stage == "sft" else corpus).load_meta(d.dir)   # raises the "prepare" error
+      mod.load_meta(d.dir)                             # raises the "prepare" error
     if jax.process_index() == 0:
       logging.info("preparing %s -> %s", d.get("sources") or d.source_dir or "<stdlib>", d.dir)
-      if c.stage == "sft":
+      if mod is sft:
         sft.prepare(d.sources, d.dir, tokenizer=d.tokenizer, val_fraction=d.val_fraction)
       else:
         corpus.prepare(d.source_dir or corpus.default_source_dir(), d.dir,
@@ -88,7 +94,7 @@ def ensure_data(c) -> dict:
     if jax.process_count() > 1:
       from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
       multihost_utils.sync_global_devices("glm5_prepare_data")
-  if c.stage == "sft":
+  if mod is sft:
     return sft.ensure(d.dir, d.sources, tokenizer=d.tokenizer, val_fraction=d.val_fraction)
   return corpus.load_meta(d.dir)
 
@@ -98,7 +104,7 @@ def make_dataset(c, split: str, *, seed: int, shuffle: bool = True):
   n_proc, p_idx = jax.process_count(), jax.process_index()
   kw = dict(seq_len=c.seq_len, batch_per_process=c.batch_size // n_proc, seed=seed,
             process_index=p_idx, process_count=n_proc, shuffle=shuffle, repeat=True)
-  if c.stage == "sft":
+  if _data_module(c) is sft:
     return sft.packed_dataset(c.data.dir, split, **kw)
   return pipeline.packed_dataset(c.data.dir, split, shard=c.data.shard, **kw)
 
@@ -158,25 +164,6 @@ def _on_mesh(shardings, mesh):
 def abstract_with(shapes, shardings):
   return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                       shapes, shardings)
-
-
-class _Sigterm:
-  """Sets a flag on SIGTERM so the loop can checkpoint and stop cleanly."""
-
-  def __init__(self):
-    self.hit = False
-    try:
-      self._old = signal.signal(signal.SIGTERM, self._handler)
-    except ValueError:                                 # not in the main thread
-      self._old = None
-
-  def _handler(self, *_):
-    logging.warning("SIGTERM: checkpointing and stopping")
-    self.hit = True
-
-  def restore(self):
-    if self._old is not None:
-      signal.signal(signal.SIGTERM, self._old)
 
 
 def evaluate(c, cfg, params, eval_fn, meta, batch_sh) -> dict:
@@ -251,14 +238,15 @@ def run(c, workdir: str) -> dict:
                                       loss_chunk=c.loss_chunk),
                     in_shardings=(state_sh.params, batch_sh))
   schedule = step_lib.make_schedule(c)
-  writer = metrics_lib.MetricWriter(workdir, tensorboard=c.tensorboard)
   start = int(jax.device_get(state.step))
+  writer = metrics_lib.MetricWriter(workdir, tensorboard=c.tensorboard,
+                                    resume_step=start if latest is not None else -1)
   progress = metrics_lib.Progress(start, c.total_steps, c.batch_size * c.seq_len)
   flops_tok = _flops_per_token(cfg)
-  sigterm = _Sigterm()
+  sigterm = ckpt_lib.SigtermFlag()
   pending, last = [], {}
   data_stats = {}
-  if c.stage == "sft":              # conversations longer than seq_len never enter a row
+  if _data_module(c) is sft:        # conversations longer than seq_len never enter a row
     data_stats = {"sft_dropped_conversations": sft.dropped(c.data.dir, "train", c.seq_len)}
     if data_stats["sft_dropped_conversations"]:
       logging.warning("sft: %d training conversations are longer than seq_len=%d and are "

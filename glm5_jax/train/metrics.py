@@ -14,14 +14,24 @@ import numpy as np
 class MetricWriter:
   """Writes on process 0 only; every value is a Python float."""
 
-  def __init__(self, workdir: str, tensorboard: bool = True):
+  def __init__(self, workdir: str, tensorboard: bool = True, resume_step: int | None = None):
+    """resume_step: the step the run continues from (-1 = from scratch): rows of later steps,
+    written by a run killed after its last checkpoint, are dropped from metrics.jsonl so that
+    the resumed run's rows replace them instead of repeating them. None keeps every row."""
     self._on = jax.process_index() == 0
     self._jsonl = None
     self._tb = None
     if not self._on:
       return
     os.makedirs(workdir, exist_ok=True)
-    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+    path = os.path.join(workdir, "metrics.jsonl")
+    if resume_step is not None and os.path.exists(path):
+      with open(path) as f:
+        rows = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
+      with open(path + ".tmp", "w") as f:
+        f.writelines(rows)
+      os.replace(path + ".tmp", path)
+    self._jsonl = open(path, "a")
     if tensorboard:
       from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
       self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))

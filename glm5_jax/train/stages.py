@@ -58,6 +58,8 @@ def _rl_config(c, workdir: str):
   rc = c.post.rl.copy_and_resolve_references()
   with rc.unlocked():
     rc.init_from = os.path.join(workdir, "sft")
+    rc.seed = c.seed
+    rc.data.tokenizer = c.data.tokenizer
     rc.rl.task = c.post.task
     rc.rl.task_options = c.post.task_options
   return rc

@@ -35,7 +35,9 @@ class Stage:
   trains: str             # "all" | "all_but_indexer" | "indexer"
   lm_loss: bool           # next-token CE + MTP
   indexer_kl: bool        # the indexer's KL loss (dense in dense stages, sparse otherwise)
-  runner: str = "loop"    # "loop": train.loop.run on a corpus; "rl": rl.grpo.run on rollouts
+  data: str = "corpus"    # "corpus": tokenized documents (data/corpus.py); "conversations":
+                          # chat records with loss masks (data/sft.py); "rollouts": RL
+  runner: str = "loop"    # "loop": train.loop.run; "rl": rl.grpo.run
 
 
 STAGE_TABLE = {
@@ -43,8 +45,9 @@ STAGE_TABLE = {
     "midtrain": Stage("dense", "all_but_indexer", lm_loss=True, indexer_kl=False),
     "dsa_warmup": Stage("dense", "indexer", lm_loss=False, indexer_kl=True),
     "dsa_sparse": Stage("sparse", "all", lm_loss=True, indexer_kl=True),
-    "sft": Stage("sparse", "all", lm_loss=True, indexer_kl=True),
-    "rl": Stage("sparse", "all_but_indexer", lm_loss=False, indexer_kl=False, runner="rl"),
+    "sft": Stage("sparse", "all", lm_loss=True, indexer_kl=True, data="conversations"),
+    "rl": Stage("sparse", "all_but_indexer", lm_loss=False, indexer_kl=False, data="rollouts",
+                runner="rl"),
 }
 STAGES = tuple(STAGE_TABLE)
 
