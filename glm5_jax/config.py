@@ -1,11 +1,11 @@
 """ModelConfig: the GLM-5 architecture as one frozen, validated dataclass.
 
-Field names follow the Hugging Face `glm_moe_dsa` config (spec §1) so that
-`from_hf` / `to_hf` are near-identity maps; the fields after `# --- ours` are
-glm5-jax settings that have no HF counterpart.
+Field names follow the Hugging Face `glm_moe_dsa` config (the released GLM-5 checkpoint's
+`config.json`) so that `from_hf` / `to_hf` are near-identity maps; the fields after
+`# --- ours` are glm5-jax settings that have no HF counterpart.
 
 Presets (`get_preset(name)`):
-  glm5   the real 744B-A40B configuration (spec §1).
+  glm5   the real 744B-A40B configuration (its released `config.json`).
   small  a ~100M-parameter config for CPU benchmarks.
   tiny   a few-hundred-K-parameter config for CPU tests and the main job; its vocabulary (384,
          a multiple of 128) holds the byte tokenizer's 256 bytes and GLM's special tokens.
@@ -28,7 +28,7 @@ _INDEXER_TYPES = ("full", "shared")
 class ModelConfig:
   """GLM-5 model hyper-parameters. Defaults are the real GLM-5 (744B) values."""
 
-  # --- Hugging Face `glm_moe_dsa` fields (spec §1).
+  # --- Hugging Face `glm_moe_dsa` fields.
   vocab_size: int = 154880
   hidden_size: int = 6144
   intermediate_size: int = 12288          # dense-layer SwiGLU width

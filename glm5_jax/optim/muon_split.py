@@ -1,11 +1,11 @@
 """Muon Split: the GLM-5 optimizer, as one optax GradientTransformation.
 
-GLM-5 (arXiv 2602.15763, "Muon Split"; glm5_paper_notes.md §1) trains with Muon, but
+GLM-5 (arXiv 2602.15763, "Muon Split") trains with Muon, but
 orthogonalizes MLA's up-projections W^UQ, W^UK, W^UV per attention head: plain whole-matrix
 Muon on them underperformed GQA-8, the per-head split matched it. Here that is a choice of
 `MuonDimensionNumbers(reduction_axis=0, output_axis=-1)` on the head-major weights
-`[rank, h, head_dim]` (design.md decision 3): heads are batch axes of optax's
-Newton–Schulz, orthogonalized independently.
+`[rank, h, head_dim]` (MLA weights stored per head, glm5_jax/nn/mla.py): heads are batch
+axes of optax's Newton–Schulz, orthogonalized independently.
 
 What goes where (`param_groups.py` has the rule table):
   muon_split  W^UQ `wq_b`, W^UK `w_uk`, W^UV `w_uv`: per-head Newton–Schulz.
@@ -198,7 +198,7 @@ def reset(tx: optax.GradientTransformation, opt_state: Any, params: Any, *,
   """A fresh `tx.init(params)`, checked against and placed like `opt_state`.
 
   For the asynchronous RL loop, which resets the optimizer state after each weight push
-  (GLM-5 "Agentic RL", glm5_paper_notes.md §3; slime's `--reset-optimizer-states`). Moments
+  (GLM-5 paper §3, "Agentic RL"; slime's `--reset-optimizer-states`). Moments
   and step counts (hence Adam's and Muon's bias corrections) restart. The learning-rate
   schedule's position restarts too unless `keep_schedule=True`, which carries every
   `ScaleByScheduleState` count over. Concrete leaves keep `opt_state`'s shardings, so a jitted

@@ -1,4 +1,4 @@
-"""orbax checkpoints holding everything needed to continue exactly (design.md decision 11).
+"""orbax checkpoints holding everything needed to continue exactly.
 
 `WORKDIR/checkpoints/<step>/` holds the TrainState (params, optimizer state,
 step, RNG) and the grain iterator state; `WORKDIR/model_config.json` records

@@ -48,6 +48,7 @@ def _sft_config(c, workdir: str):
   sc = _stage_config(c, "sft", p.sft_steps, os.path.join(workdir, "dsa_sparse"),
                      p.sft_learning_rate, p.sft_warmup_steps)
   with sc.unlocked():
+    sc.eval_every = p.sft_steps                     # held-out loss once, at the end
     sc.data.sources = os.path.join(workdir, "sft_data", f"{p.task}.jsonl")
     sc.data.dir = os.path.join(workdir, "sft_data", "prepared")
     sc.data.val_fraction = 0.02
