@@ -233,10 +233,32 @@ def load_pretrained(path: str, *, param_dtype: str | None = None, to_device: boo
     else:
       x = w if conv is None else conv(w)
       _set(params, ours, x.astype(np.float32 if "router" in ours else dtype))
+  params = _stacked(cfg, params)
   _check_shapes(params, expected)
   if to_device:
     params = jax.tree_util.tree_map(jax.numpy.asarray, params)
   return cfg, params
+
+
+def _stacked(cfg, params):
+  """Per-layer trees `layers_{i}` (the checkpoint's layout) -> the model's scanned stacks."""
+  from glm5_jax.nn import layer_stack  # pylint: disable=g-import-not-at-top
+  per_layer = [params.pop(f"layers_{i}", {}) for i in range(cfg.num_hidden_layers)]
+  try:
+    stacks = layer_stack.stack_layers(cfg, per_layer)
+  except ValueError as e:              # layers of one stack disagree in structure or shape
+    raise ValueError(f"checkpoint does not fit the config: decoder layers differ within a "
+                     f"stack ({e})") from e
+  return {**params, **stacks}
+
+
+def _per_layer(cfg, params):
+  """The model's scanned stacks -> per-layer trees `layers_{i}` (the checkpoint's layout)."""
+  from glm5_jax.nn import layer_stack  # pylint: disable=g-import-not-at-top
+  out = {k: v for k, v in params.items() if k not in layer_stack.STACK_NAMES}
+  out.update({f"layers_{i}": layer_stack.layer_params(cfg, params, i)
+              for i in range(cfg.num_hidden_layers)})
+  return out
 
 
 def _np_dtype(name: str):
@@ -305,6 +327,7 @@ def _check_shapes(params, expected):
 def _hf_tensors(cfg: ModelConfig, params) -> Iterator[tuple[str, np.ndarray]]:
   """Yields (HF name, [out, in] array) in checkpoint (per-expert) layout."""
   has_mtp = "mtp" in params and cfg.num_nextn_predict_layers
+  params = _per_layer(cfg, params)
   for name, (ours, conv) in _name_map(cfg).items():
     if ours[0] == "mtp" and not has_mtp:
       continue

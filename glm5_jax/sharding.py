@@ -41,6 +41,7 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("router_experts", None),
     ("mtp_concat", None),
     ("norm", None),
+    ("layers", None),                                # the scanned layer stack (layer_stack.py)
 )
 
 

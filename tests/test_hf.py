@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 from glm5_jax import config as config_lib  # pylint: disable=g-import-not-at-top
 from glm5_jax import hf
 from glm5_jax import nn as gnn
+from glm5_jax.nn import layer_stack
 from pallas_kernels import lightning_indexer
 
 pytestmark = pytest.mark.hf
@@ -106,7 +107,7 @@ def test_logits_and_topk_match_transformers(case, tmp_path, forward_fn):
   ties_case = case == "few_indexer_heads_ties"
   # With ties, layer 0 sees identical inputs; a tie there reroutes later layers.
   for layer in range(1 if ties_case else cfg.num_hidden_layers):
-    qkw = inter["intermediates"][f"layers_{layer}"]["attn"]["indexer_qkw"][0]
+    qkw = layer_stack.layer_params(cfg2, inter["intermediates"], layer)["attn"]["indexer_qkw"][0]
     ours = np.asarray(out.topk_indices[layer])
     for b in range(tokens.shape[0]):
       for t in range(SEQ):

@@ -31,8 +31,8 @@ def test_mtp_has_one_module_applied_three_times(tiny_cfg, tiny_params, tiny_toke
   # Plain loop over ONE MTPStep module with the stored weights.
   model = gnn.GLM5(tiny_cfg)
   h_final = model.apply({"params": tiny_params}, tiny_tokens, mtp=False,
-                        capture_intermediates=lambda m, _: isinstance(m, nn.Module) and m.name == "layers_2",
-                        mutable=["intermediates"])[1]["intermediates"]["layers_2"]["__call__"][0][0]
+                        capture_intermediates=lambda m, _: m.name == "moe_layers",  # per repeat
+                        mutable=["intermediates"])[1]["intermediates"]["moe_layers"]["__call__"][0][0][0][-1]
   b, t = tiny_tokens.shape
   cos, sin = rope.rope_angles(jnp.broadcast_to(jnp.arange(t), (b, t)), tiny_cfg.qk_rope_head_dim,
                               tiny_cfg.rope_theta)

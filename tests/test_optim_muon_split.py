@@ -101,16 +101,16 @@ STEP = jax.jit(TX.update)
 
 def test_param_groups_label_the_model_tree_by_role():
   groups = optim.param_groups(_shapes("tiny"))
-  attn, moe = groups["layers_1"]["attn"], groups["layers_1"]["moe"]
+  attn, moe = groups["moe_layers"]["layer_0"]["attn"], groups["moe_layers"]["layer_0"]["moe"]
   assert [attn[k] for k in ("wq_b", "w_uk", "w_uv")] == ["muon_split"] * 3
   assert [attn[k] for k in ("wq_a", "wkv_a", "wo")] == ["muon"] * 3
   assert attn["indexer"]["wq_b"] == attn["indexer"]["wk"] == "muon"
   assert attn["indexer"]["k_norm"] == {"scale": "adamw", "bias": "adamw"}
   assert set(jax.tree.leaves(moe["experts"])) == {"muon"}
   assert moe["router"] == {"kernel": "muon", "e_score_correction_bias": "adamw"}
-  assert groups["layers_0"]["mlp"]["w_down"] == "muon"
+  assert groups["dense_layers"]["layer_0"]["mlp"]["w_down"] == "muon"
   assert groups["embed"]["embedding"] == groups["lm_head"]["kernel"] == "adamw"
-  assert groups["final_norm"]["scale"] == groups["layers_0"]["input_norm"]["scale"] == "adamw"
+  assert groups["final_norm"]["scale"] == groups["dense_layers"]["layer_0"]["input_norm"]["scale"] == "adamw"
   assert groups["mtp"]["eh_proj"] == "muon"
   assert groups["mtp"]["layer"]["attn"]["w_uv"] == "muon_split"
 
@@ -240,7 +240,8 @@ def test_zero_gradient_leaves_only_decoupled_weight_decay():
 
   def check(path, upd, p, group):
     name = jax.tree_util.keystr(path)
-    if p.ndim >= 2:  # Muon leaves and AdamW matrices decay; norm scales and biases do not
+    # Muon leaves and AdamW matrices decay; norm scales and biases (stacked or not) do not.
+    if path[-1].key not in ("scale", "bias", "e_score_correction_bias"):
       np.testing.assert_allclose(upd, -lr * wd * p, rtol=1e-6, atol=1e-7, err_msg=name)
     else:
       assert np.all(np.asarray(upd) == 0), (name, group)
@@ -262,7 +263,7 @@ def test_learning_rate_schedule_scales_each_step():
 def test_e_score_correction_bias_never_moves():
   params = _tiny_params()
   _, final, _ = _run(TX, params, [_materialize(params) for _ in range(2)], STEP)
-  before, after = params["layers_1"]["moe"]["router"], final["layers_1"]["moe"]["router"]
+  before, after = params["moe_layers"]["layer_0"]["moe"]["router"], final["moe_layers"]["layer_0"]["moe"]["router"]
   np.testing.assert_array_equal(before["e_score_correction_bias"],
                                 after["e_score_correction_bias"])
   assert not np.array_equal(before["kernel"], after["kernel"])
@@ -292,8 +293,8 @@ def test_frozen_accepts_a_prefix_tree():
   params = _tiny_params()
   prefix = {k: k != "lm_head" for k in params}  # freeze all but the output head
   _, final, _ = _run(optim.muon_split(frozen=prefix), params, [_materialize(params)])
-  np.testing.assert_array_equal(final["layers_1"]["attn"]["wq_b"],
-                                params["layers_1"]["attn"]["wq_b"])
+  np.testing.assert_array_equal(final["moe_layers"]["layer_0"]["attn"]["wq_b"],
+                                params["moe_layers"]["layer_0"]["attn"]["wq_b"])
   assert not np.array_equal(final["lm_head"]["kernel"], params["lm_head"]["kernel"])
 
 

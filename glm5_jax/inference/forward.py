@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from glm5_jax.nn import dsa_kernels
 from glm5_jax.nn import indexer as indexer_lib
+from glm5_jax.nn import layer_stack
 from glm5_jax.nn import mla as mla_lib
 from glm5_jax.nn import moe as moe_lib
 from glm5_jax.nn import norms
@@ -240,8 +241,9 @@ def model_forward(cfg, params, layer_caches, tokens_bt, chunk: Chunk, form: str 
   h = embed(cfg, params, tokens_bt)
   new_caches, all_idx, idx = [], [], None
   for i in range(cfg.num_hidden_layers):
-    h, layer_idx, cache = decoder_layer(cfg, params[f"layers_{i}"], h, cos, sin, layer_caches[i],
-                                        chunk, idx, cfg.is_moe_layer(i), form)
+    h, layer_idx, cache = decoder_layer(cfg, layer_stack.layer_params(cfg, params, i), h, cos,
+                                        sin, layer_caches[i], chunk, idx, cfg.is_moe_layer(i),
+                                        form)
     idx = layer_idx
     all_idx.append(layer_idx)
     new_caches.append(cache)

@@ -2,12 +2,16 @@
 
     h^0 = Emb(tokens)
     h^l = DecoderLayer_l(h^{l-1})          l < first_k_dense_replace: dense FFN, else MoE
+                                           (scanned stacks of layers: layer_stack.py)
     logits = lm_head(RMSNorm(h^L))
     mtp_logits[k-1] = MTP step k (mtp.py), k = 1..mtp_num_steps, from h^L (pre-norm)
 
 Parameter tree (plain pytree; every leaf created with logical axis names):
     embed/embedding [V, d]            lm_head/kernel [d, V]      final_norm/scale [d]
-    layers_{i}/{input_norm, attn, post_attention_norm, mlp | moe}
+    dense_layers/layer_{j}/{input_norm, attn, post_attention_norm, mlp}   [layers, ...]
+    moe_layers/layer_{j}/{input_norm, attn, post_attention_norm, moe}     [layers, ...]
+        (j: position in the stack's repeating block; `layer_stack.layer_params(cfg, p, i)`
+        gives decoder layer i's own tree)
     mtp/{enorm, hnorm, eh_proj, layer, head_norm}     (when num_nextn_predict_layers = 1)
 """
 
@@ -21,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glm5_jax.nn import decoder as decoder_lib
+from glm5_jax.nn import layer_stack
 from glm5_jax.nn import mtp as mtp_lib
 from glm5_jax.nn import norms
 from glm5_jax.nn import params as P
@@ -126,20 +130,10 @@ class GLM5(nn.Module):
     embed = Embed(cfg, name="embed")
     head = Head(cfg, name="lm_head")
     final_norm = norms.RMSNorm(cfg.rms_norm_eps, param_dtype=cfg.param_dtype, name="final_norm")
-    layer_cls = decoder_lib.remat_layer(cfg)
-
     h = embed(tokens)
-    kls, loads, all_idx, indices = [], [], [], None
-    for i in range(cfg.num_hidden_layers):
-      full = cfg.indexer_type(i) == "full"
-      h, idx, kl, load = layer_cls(cfg, moe=cfg.is_moe_layer(i), has_indexer=full,
-                                   name=f"layers_{i}")(h, cos, sin, indices, doc_start,
-                                                       with_indexer_loss)
-      indices = idx if idx is not None else indices
-      kls.append(kl if kl is not None else jnp.zeros((), jnp.float32))
-      all_idx.append(idx)
-      if load is not None:
-        loads.append(load)
+    h, kls, expert_load, all_idx = layer_stack.run_stacks(
+        self, cfg, h, cos, sin, doc_start, with_indexer_loss=with_indexer_loss,
+        return_topk=return_topk)
     h_final = h
     hidden = final_norm(h)
     logits = head(hidden, return_logits)
@@ -162,9 +156,9 @@ class GLM5(nn.Module):
 
     return ModelOutput(
         logits=logits, mtp_logits=mtp_logits, hidden=hidden, mtp_hidden=mtp_hidden,
-        indexer_kl=jnp.stack(kls) if with_indexer_loss else None, mtp_indexer_kl=mtp_kl,
-        expert_load=jnp.stack(loads) if loads else jnp.zeros((0, cfg.n_routed_experts)),
-        mtp_expert_load=mtp_load, topk_indices=tuple(all_idx) if return_topk else None)
+        indexer_kl=kls if with_indexer_loss else None, mtp_indexer_kl=mtp_kl,
+        expert_load=expert_load, mtp_expert_load=mtp_load,
+        topk_indices=all_idx if return_topk else None)
 
 
 def document_starts(segment_ids_bt):

@@ -173,8 +173,7 @@ def muon_split(
 
   adamw = optax.chain(
       optax.scale_by_adam(b1=adam_b1, b2=adam_b2, eps=eps, mu_dtype=mu_dtype),
-      optax.add_decayed_weights(weight_decay,
-                                mask=lambda t: jax.tree.map(lambda x: x.ndim >= 2, t)),
+      optax.add_decayed_weights(weight_decay, mask=pg.matrix_mask),
       optax.scale_by_learning_rate(adam_learning_rate),
   )
   transforms = {

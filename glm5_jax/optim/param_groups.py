@@ -1,7 +1,7 @@
 """Parameter groups: which optimizer, and which Newton–Schulz axes, each GLM-5 leaf gets.
 
 Every leaf is classified by its path (the '/'-joined key names, e.g.
-`layers_3/attn/wq_b`) through one rule table, `_RULES`; the first matching rule wins and
+`moe_layers/layer_0/attn/wq_b`) through one rule table, `_RULES`; the first matching rule wins and
 its expected rank is checked. A leaf that no rule matches, or that has an unexpected rank,
 raises a ValueError naming its path: a new parameter must be given a group on purpose.
 
@@ -49,6 +49,7 @@ class Rule(NamedTuple):
   full_dims: muon_split only: the whole-matrix dimension numbers (heads and head_dim flattened
     into one output axis), used when `split_heads=False` or for the "full" RMS scale.
   fixed: the leaf gets a zero update (not trained by gradient).
+  stacked: leading `layers` axes of a scanned layer stack (counted in ndim, batch axes of dims).
   """
   pattern: str
   group: str
@@ -56,6 +57,7 @@ class Rule(NamedTuple):
   dims: MDN | None = None
   full_dims: MDN | None = None
   fixed: bool = False
+  stacked: int = 0
 
 
 _ANY = r"(^|/)"  # the match starts at a path segment boundary
@@ -89,14 +91,33 @@ def key_name(key: Any) -> str:
 
 
 def path_str(path: tuple[Any, ...]) -> str:
-  """'/'-joined key names of a `jax.tree_util` key path, e.g. 'layers_0/attn/wq_b'."""
+  """'/'-joined key names of a `jax.tree_util` key path, e.g. 'moe_layers/layer_0/attn/wq_b'."""
   return "/".join(key_name(k) for k in path)
+
+
+# Scanned decoder layers (glm5_jax/nn/layer_stack.py) carry a leading `layers` axis: one more
+# batch axis for Newton–Schulz, so Muon stays per layer (and per expert, and per head).
+_STACKED = _ANY + r"(dense|moe)_layers/"
+
+
+def _shift(dims: MDN | None, k: int) -> MDN | None:
+  if dims is None or k == 0:
+    return dims
+  move = lambda a: tuple(x + k for x in a) if isinstance(a, tuple) else a + k
+  return MDN(reduction_axis=move(dims.reduction_axis), output_axis=move(dims.output_axis))
+
+
+def _stacked(rule: Rule) -> Rule:
+  return rule._replace(ndim=rule.ndim + 1, dims=_shift(rule.dims, 1),
+                       full_dims=_shift(rule.full_dims, 1), stacked=rule.stacked + 1)
 
 
 def classify(path: str, shape: tuple[int, ...]) -> Rule:
   """The rule for one leaf; ValueError naming the path if none matches or the rank is off."""
   for rule in _RULES:
     if re.search(rule.pattern, path):
+      if re.search(_STACKED, path):
+        rule = _stacked(rule)
       if len(shape) != rule.ndim:
         raise ValueError(
             f"param {path!r} has shape {tuple(shape)} (rank {len(shape)}); the "
@@ -132,6 +153,12 @@ def muon_dim_numbers(params: Any, *, split_heads: bool = True) -> Any:
 def fixed_mask(params: Any) -> Any:
   """True on leaves that are not trained by gradient (`e_score_correction_bias`)."""
   return map_rules(lambda r, _: r.fixed, params)
+
+
+def matrix_mask(params: Any) -> Any:
+  """True on matrices (rank >= 2 once a layer stack's axis is set aside): the leaves that
+  take decoupled weight decay; norm scales and biases do not."""
+  return map_rules(lambda r, _: r.ndim - r.stacked >= 2, params)
 
 
 def path_mask(*names: str, invert: bool = False) -> Callable[[Any], Any]:

@@ -85,7 +85,10 @@ def _check_same_shapes(saved, abstract, what: str):
             for p, v in jax.tree_util.tree_flatten_with_path(abstract)[0]}
   if flat_s != flat_a:
     diff = sorted(set(flat_s.items()) ^ set(flat_a.items()))[:8]
-    raise ValueError(f"{what}: the checkpoint's parameters differ from this model: {diff}")
+    hint = ("; it holds one `layers_{i}` tree per decoder layer, the layout before the layers "
+            "were scanned (glm5_jax/nn/layer_stack.py): re-run that stage with this version"
+            if any(k.startswith("['layers_") for k in flat_s) else "")
+    raise ValueError(f"{what}: the checkpoint's parameters differ from this model: {diff}{hint}")
 
 
 _HOW_NOT_WHAT = ("attention_type", "attention_impl", "attention_chunk_size", "remat", "dtype",

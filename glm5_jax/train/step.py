@@ -27,6 +27,7 @@ import optax
 from glm5_jax import losses
 from glm5_jax import nn as gnn
 from glm5_jax import optim
+from glm5_jax.nn import layer_stack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,10 +169,11 @@ def _with_new_bias(layer_params, load, rate):
   return {**layer_params, "moe": {**layer_params["moe"], "router": router}}
 
 
-def update_routing_biases(params, loads, rate: float):
+def update_routing_biases(cfg, params, loads, rate: float):
   """Aux-loss-free balancing: moves every MoE layer's bias toward uniform load.
 
   Args:
+    cfg: ModelConfig (which stack and block position holds each MoE layer).
     params: the parameter tree.
     loads: (expert_load [L_moe, E] of the main MoE layers, MTP layer load [E] or None).
     rate: bias update speed (0 disables it).
@@ -180,10 +182,18 @@ def update_routing_biases(params, loads, rate: float):
   if rate == 0.0:
     return params
   params = dict(params)
-  moe_layers = sorted((k for k in params if k.startswith("layers_") and "moe" in params[k]),
-                      key=lambda k: int(k.split("_")[1]))
-  for layer, load in zip(moe_layers, expert_load):
-    params[layer] = _with_new_bias(params[layer], load, rate)
+  row = 0                                       # expert_load rows follow the layer order
+  for st in layer_stack.layer_stacks(cfg):
+    moe_js = [j for j, kind in enumerate(st.block) if kind.moe]
+    if not moe_js:
+      continue
+    n = st.repeats * len(moe_js)
+    stack_load = expert_load[row:row + n].reshape(st.repeats, len(moe_js), -1)
+    row += n
+    stack = dict(params[st.name])
+    for q, j in enumerate(moe_js):
+      stack[f"layer_{j}"] = _with_new_bias(stack[f"layer_{j}"], stack_load[:, q], rate)
+    params[st.name] = stack
   if mtp_load is not None and "mtp" in params and "moe" in params["mtp"]["layer"]:
     params["mtp"] = {**params["mtp"], "layer": _with_new_bias(params["mtp"]["layer"], mtp_load,
                                                               rate)}
@@ -197,7 +207,7 @@ def train_step(state: TrainState, batch, *, cfg, stage, tx, loss_chunk, bias_rat
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   if get_stage(stage).lm_loss:                    # the routed layers run forward for the LM
-    params = update_routing_biases(params, jax.lax.stop_gradient(load), bias_rate)
+    params = update_routing_biases(cfg, params, jax.lax.stop_gradient(load), bias_rate)
   metrics = {**parts, "grad_norm": optax.global_norm(grads),
              "update_norm": optax.global_norm(updates)}
   return TrainState(state.step + 1, params, opt_state, state.rng), metrics

@@ -1,0 +1,171 @@
+"""Scanned decoder layers: the layer stack runs under `nn.scan`, parameters stacked on `layers`.
+
+A Python loop over 78 layers makes the program, and its compile time, grow with depth;
+a scan compiles one layer (MaxText scans its layers for the same reason). Layers of a
+different structure cannot share one scan, so the layers are split into stacks:
+
+    dense_layers   layers 0 .. first_k_dense_replace-1 (dense SwiGLU FFN)
+    moe_layers     the rest (MoE FFN)
+
+and each stack scans over a repeating *block*: the shortest run of layer kinds
+(FFN kind, own indexer or IndexShare "shared") that tiles the stack. Every GLM-5 layer
+has its own indexer, so a block is one layer; an IndexShare pattern ("full", "shared",
+"shared", "shared", ...) gives a block of four layers, scanned `repeats` times.
+
+Parameter tree: `{stack}/layer_{j}/...` is block position j, each leaf with a leading
+`layers` axis of size `repeats` (logical axis "layers"). Global layer i of a stack
+starting at `first` is repeat `(i - first) // len(block)`, position `(i - first) % len(block)`.
+`layer_params(cfg, params, i)` slices out one layer's tree (the inference engine and the
+Hugging Face converter use it), `stack_layers` builds the stacked tree from per-layer trees.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from glm5_jax.nn import decoder as decoder_lib
+
+LAYERS_AXIS = "layers"              # logical name of the stacked axis
+STACK_NAMES = ("dense_layers", "moe_layers")
+
+
+class LayerKind(NamedTuple):
+  moe: bool
+  has_indexer: bool
+
+
+class LayerStack(NamedTuple):
+  """`repeats` copies of `block`, covering layers first .. first + repeats * len(block) - 1."""
+  name: str
+  first: int
+  repeats: int
+  block: tuple[LayerKind, ...]
+
+  @property
+  def num_layers(self) -> int:
+    return self.repeats * len(self.block)
+
+
+def layer_kind(cfg, i: int) -> LayerKind:
+  return LayerKind(moe=cfg.is_moe_layer(i), has_indexer=cfg.indexer_type(i) == "full")
+
+
+def _period(kinds: Sequence[LayerKind]) -> int:
+  """Length of the shortest block that tiles `kinds` exactly."""
+  n = len(kinds)
+  return next(p for p in range(1, n + 1)
+              if n % p == 0 and all(kinds[i] == kinds[i % p] for i in range(n)))
+
+
+def layer_stacks(cfg) -> tuple[LayerStack, ...]:
+  """The stacks of `cfg`'s decoder layers (the MTP layer is not part of any stack)."""
+  split = cfg.first_k_dense_replace
+  stacks = []
+  for name, lo, hi in ((STACK_NAMES[0], 0, split), (STACK_NAMES[1], split, cfg.num_hidden_layers)):
+    if hi > lo:
+      kinds = [layer_kind(cfg, i) for i in range(lo, hi)]
+      p = _period(kinds)
+      stacks.append(LayerStack(name, lo, (hi - lo) // p, tuple(kinds[:p])))
+  return tuple(stacks)
+
+
+def locate(cfg, i: int) -> tuple[str, int, int]:
+  """(stack name, repeat, block position) of decoder layer i."""
+  if not 0 <= i < cfg.num_hidden_layers:
+    raise ValueError(f"layer {i} is outside [0, num_hidden_layers={cfg.num_hidden_layers})")
+  for st in layer_stacks(cfg):
+    if st.first <= i < st.first + st.num_layers:
+      r, j = divmod(i - st.first, len(st.block))
+      return st.name, r, j
+  raise AssertionError(f"layer {i} in no stack")
+
+
+def layer_params(cfg, params, i: int):
+  """Decoder layer i's parameter tree (the layout of one `DecoderLayer`), sliced from the stack."""
+  name, r, j = locate(cfg, i)
+  return jax.tree_util.tree_map(lambda x: x[r], params[name][f"layer_{j}"])
+
+
+def stack_layers(cfg, per_layer: Sequence[Any], stack=np.stack):
+  """{stack name: {layer_j: stacked tree}} from the L per-layer trees (numpy by default)."""
+  out = {}
+  for st in layer_stacks(cfg):
+    p = len(st.block)
+    out[st.name] = {
+        f"layer_{j}": jax.tree_util.tree_map(
+            lambda *xs: stack(xs),
+            *[per_layer[st.first + r * p + j] for r in range(st.repeats)])
+        for j in range(p)}
+  return out
+
+
+class LayerBlock(nn.Module):
+  """One repeat of a stack's block: the body of the scan.
+
+  carry: (h [b,t,d], top-k indices [b,t,k] int32 or None). Outputs per repeat: the
+  indexer KL of each block layer `kl [p]` (0 where the layer has no indexer), the expert
+  load of each MoE layer `load [p_moe, E]`, and with `return_topk` the top-k of each layer.
+  """
+  cfg: Any
+  block: tuple[LayerKind, ...]
+  with_indexer_loss: bool = False
+  return_topk: bool = False
+
+  @nn.compact
+  def __call__(self, carry, cos, sin, doc_start):
+    h, indices = carry
+    layer_cls = decoder_lib.remat_layer(self.cfg)
+    kls, loads, topk = [], [], []
+    for j, kind in enumerate(self.block):
+      h, idx, kl, load = layer_cls(self.cfg, moe=kind.moe, has_indexer=kind.has_indexer,
+                                   name=f"layer_{j}")(h, cos, sin, indices, doc_start,
+                                                      self.with_indexer_loss)
+      indices = idx if idx is not None else indices
+      kls.append(jnp.zeros((), jnp.float32) if kl is None else kl)
+      if load is not None:
+        loads.append(load)
+      topk.append(idx)
+    ys = {"kl": jnp.stack(kls)}
+    if loads:
+      ys["load"] = jnp.stack(loads)
+    if self.return_topk and topk[0] is not None:
+      ys["topk"] = jnp.stack(topk)
+    return (h, indices), ys
+
+
+def scanned(stack: LayerStack):
+  """`LayerBlock` scanned `stack.repeats` times, parameters stacked on the `layers` axis."""
+  return nn.scan(LayerBlock, variable_axes={"params": 0, "intermediates": 0},
+                 split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+                 length=stack.repeats, metadata_params={nn.PARTITION_NAME: LAYERS_AXIS})
+
+
+def run_stacks(module: nn.Module, cfg, h, cos, sin, doc_start, *, with_indexer_loss, return_topk):
+  """All decoder layers of `cfg`, one scan per stack, as submodules of `module`.
+
+  Returns (h, per-layer KL [L], expert load [L_moe, E], per-layer top-k tuple (entries None
+  under dense attention)).
+  """
+  b, t, _ = h.shape
+  indices = (jnp.full((b, t, cfg.index_topk), -1, jnp.int32)
+             if cfg.attention_type == "sparse" else None)
+  kls, loads, topk = [], [], []
+  for st in layer_stacks(cfg):
+    block = scanned(st)(cfg, st.block, with_indexer_loss, return_topk, name=st.name,
+                        parent=module)
+    (h, indices), ys = block((h, indices), cos, sin, doc_start)
+    kls.append(ys["kl"].reshape(-1))
+    if "load" in ys:
+      loads.append(ys["load"].reshape(-1, ys["load"].shape[-1]))
+    if "topk" in ys:
+      topk.extend(list(ys["topk"].reshape(-1, *ys["topk"].shape[2:])))
+    else:
+      topk.extend([None] * st.num_layers)
+  load = (jnp.concatenate(loads) if loads
+          else jnp.zeros((0, cfg.n_routed_experts), jnp.float32))
+  return h, jnp.concatenate(kls), load, tuple(topk)
