@@ -75,7 +75,8 @@ class ModelConfig:
   indexer_loss_coeff: float = 1e-3        # Megatron-Bridge GLM-5 default
   attention_type: str = "sparse"          # "sparse" (DSA top-k) | "dense" (warm-up)
   attention_impl: str = "xla"             # "xla" | "pallas"
-  attention_chunk_size: int = 512         # query chunk of the jnp indexer/sparse path
+  attention_chunk_size: int = 512         # query chunk of the jnp indexer/sparse path; query
+                                          # and key block of dense attention + its indexer KL
   dtype: str = "float32"                  # activation / compute dtype
   param_dtype: str = "float32"            # master weights
   remat: str = "none"                     # "none" | "full" | "save_dots"

@@ -1,6 +1,6 @@
 """Device mesh and the logical-axis rules table (design.md decisions 1-2).
 
-Mesh axes are `data, fsdp, expert, tensor`; sizes come from the config with
+Mesh axes are `data, fsdp, context, expert, tensor`; sizes come from the config with
 one -1 meaning "the rest of the devices". Every parameter carries logical axis
 names; `DEFAULT_RULES` maps them to mesh axes, and `param_shardings` turns the
 model's logical partition specs into `NamedSharding`s for `jax.jit`.
@@ -16,13 +16,15 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
+MESH_AXES = ("data", "fsdp", "context", "expert", "tensor")
 BATCH_AXES = ("data", "fsdp", "expert")            # the global batch is split over these
+TOKEN_AXES = BATCH_AXES + ("context",)             # [b * t] flattened tokens: batch, then
+                                                   # sequence (nn/context_parallel.py)
 
 # (logical name, mesh axes). First match wins (flax `logical_to_mesh_axes`).
 DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("activation_batch", BATCH_AXES),
-    ("activation_length", None),
+    ("activation_length", "context"),
     ("activation_embed", None),
     ("vocab", "tensor"),
     ("embed", "fsdp"),

@@ -24,13 +24,13 @@ class DecoderLayer(nn.Module):
 
   @nn.compact
   def __call__(self, h_btd, cos, sin, prev_indices=None, doc_start=None,
-               with_indexer_loss=False):
+               with_indexer_loss=False, order=None):
     cfg = self.cfg
     h_btd = nn.with_logical_constraint(h_btd, _ACT)
     x = norms.RMSNorm(cfg.rms_norm_eps, param_dtype=cfg.param_dtype, name="input_norm")(h_btd)
     attn, indices, kl = mla_lib.MLA(cfg, self.has_indexer, name="attn")(
         x, cos, sin, prev_indices=prev_indices, doc_start=doc_start,
-        with_indexer_loss=with_indexer_loss)
+        with_indexer_loss=with_indexer_loss, order=order)
     h_btd = h_btd + attn.astype(h_btd.dtype)
     x = norms.RMSNorm(cfg.rms_norm_eps, param_dtype=cfg.param_dtype,
                       name="post_attention_norm")(h_btd)

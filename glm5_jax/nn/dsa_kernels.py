@@ -48,13 +48,14 @@ def _axes_dividing(mesh, axes, n: int):
   return axes
 
 
-def topk_indices(q, k, w, topk, *, impl, interpret, chunk_size, start=None, backend=None):
+def topk_indices(q, k, w, topk, *, impl, interpret, chunk_size, start=None, backend=None,
+                 limit=None):
   """`lightning_indexer.topk_indices`, sharded over the batch axes for `impl="pallas"`."""
   call = lambda q, k, w, start: lightning_indexer.topk_indices(
       q, k, w, topk, impl=impl, interpret=interpret, chunk_size=chunk_size, start=start,
-      backend=backend)
+      backend=backend, limit=limit)
   mesh = _mesh()
-  if impl != "pallas" or mesh is None:
+  if impl != "pallas" or mesh is None or limit is not None:
     return call(q, k, w, start)
   bat = _axes_dividing(mesh, shd.BATCH_AXES, q.shape[0])
   spec = P(bat)

@@ -58,13 +58,14 @@ class Indexer(nn.Module):
     return q * di ** -0.5, k, w
 
 
-def select_topk(cfg, q, k, w, doc_start=None):
+def select_topk(cfg, q, k, w, doc_start=None, limit=None):
   """int32 [b, t, index_topk] deterministic causal top-k (see pallas_kernels).
 
   doc_start [b, t]: first key of each query's document (packed rows); keys of
-  other documents are never selected.
+  other documents are never selected. limit [t]: last visible key of each query
+  (default causal; context parallelism passes each query's natural position).
   """
   return dsa_kernels.topk_indices(
       q, k, w, cfg.index_topk, impl=cfg.attention_impl,
       interpret=None, chunk_size=cfg.attention_chunk_size,
-      start=doc_start)
+      start=doc_start, limit=limit)

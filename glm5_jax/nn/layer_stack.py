@@ -117,14 +117,14 @@ class LayerBlock(nn.Module):
   return_topk: bool = False
 
   @nn.compact
-  def __call__(self, carry, cos, sin, doc_start):
+  def __call__(self, carry, cos, sin, doc_start, order):
     h, indices = carry
     layer_cls = decoder_lib.remat_layer(self.cfg)
     kls, loads, topk = [], [], []
     for j, kind in enumerate(self.block):
       h, idx, kl, load = layer_cls(self.cfg, moe=kind.moe, has_indexer=kind.has_indexer,
                                    name=f"layer_{j}")(h, cos, sin, indices, doc_start,
-                                                      self.with_indexer_loss)
+                                                      self.with_indexer_loss, order)
       indices = idx if idx is not None else indices
       kls.append(jnp.zeros((), jnp.float32) if kl is None else kl)
       if load is not None:
@@ -141,11 +141,12 @@ class LayerBlock(nn.Module):
 def scanned(stack: LayerStack):
   """`LayerBlock` scanned `stack.repeats` times, parameters stacked on the `layers` axis."""
   return nn.scan(LayerBlock, variable_axes={"params": 0, "intermediates": 0},
-                 split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+                 split_rngs={"params": True}, in_axes=(nn.broadcast,) * 4,
                  length=stack.repeats, metadata_params={nn.PARTITION_NAME: LAYERS_AXIS})
 
 
-def run_stacks(module: nn.Module, cfg, h, cos, sin, doc_start, *, with_indexer_loss, return_topk):
+def run_stacks(module: nn.Module, cfg, h, cos, sin, doc_start, order, *, with_indexer_loss,
+               return_topk):
   """All decoder layers of `cfg`, one scan per stack, as submodules of `module`.
 
   Returns (h, per-layer KL [L], expert load [L_moe, E], per-layer top-k tuple (entries None
@@ -158,7 +159,7 @@ def run_stacks(module: nn.Module, cfg, h, cos, sin, doc_start, *, with_indexer_l
   for st in layer_stacks(cfg):
     block = scanned(st)(cfg, st.block, with_indexer_loss, return_topk, name=st.name,
                         parent=module)
-    (h, indices), ys = block((h, indices), cos, sin, doc_start)
+    (h, indices), ys = block((h, indices), cos, sin, doc_start, order)
     kls.append(ys["kl"].reshape(-1))
     if "load" in ys:
       loads.append(ys["load"].reshape(-1, ys["load"].shape[-1]))

@@ -10,7 +10,9 @@ so that Muon Split orthogonalises each head's block on its own.
 
 Two attention forms, equal in exact arithmetic:
   expanded  k_nope = c_kv W_UK, v = c_kv W_UV per head; MHA over them.
-            Used for dense attention (DSA warm-up / pre-DSA training).
+            Used for dense attention (DSA warm-up / pre-DSA training), blockwise
+            (`mla_dense_attention`, nn/attention.py); `mla_expanded_attention`
+            is its unblocked reference.
   absorbed  q~ = q_nope W_UK^T; MQA over the shared rows [c_kv | k_rope];
             out = (softmax . c_kv) W_UV. Used for DSA sparse attention, which
             gathers the top-k latent rows (pallas_kernels.sparse_attention), and
@@ -24,6 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from glm5_jax import losses
+from glm5_jax.nn import attention
+from glm5_jax.nn import context_parallel as cp
 from glm5_jax.nn import dsa_kernels
 from glm5_jax.nn import indexer as indexer_lib
 from glm5_jax.nn import norms
@@ -61,6 +65,30 @@ def mla_expanded_attention(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, mask_bts, s
   logits = jnp.where(mask_bts[:, None], logits, -jnp.inf)
   probs = jax.nn.softmax(logits, axis=-1)
   return jnp.einsum("bhts,bshv->bthv", probs.astype(v.dtype), v)
+
+
+def mla_dense_attention(cfg, q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, doc_start=None,
+                        limit=None):
+  """Causal (+ document) expanded MLA attention, blockwise (nn/attention.py). o [b, t, h, v].
+
+  Equals `mla_expanded_attention` with `causal_mask & document_mask`, with memory
+  linear in t: the per-head keys [k_nope | k_rope] and values (linear in s) are
+  materialised, the [t, s] logits are not. Query i sees keys doc_start[b, i] <= j <=
+  limit[b, i] (int32 [b, t]; defaults 0 and causal s - t + i). The splash kernel
+  (attention_impl="pallas" on TPU) takes only the causal diagonal (t == s, limit None);
+  anything else runs the XLA path.
+  """
+  b, s, h = c_kv.shape[0], c_kv.shape[1], q_nope.shape[2]
+  k_nope = jnp.einsum("bsc,chn->bshn", c_kv, w_uk)
+  v = jnp.einsum("bsc,chv->bshv", c_kv, w_uv)
+  q = jnp.concatenate([q_nope, q_rope.astype(q_nope.dtype)], axis=-1)
+  k_rope_h = jnp.broadcast_to(k_rope[:, :, None], (b, s, h, k_rope.shape[-1]))
+  k = jnp.concatenate([k_nope, k_rope_h.astype(k_nope.dtype)], axis=-1)
+  diagonal = limit is None and q.shape[1] == s
+  return attention.dense_attention(
+      q, k, v, scale=cfg.softmax_scale, start_bt=doc_start, limit_bt=limit,
+      impl=cfg.attention_impl if diagonal else "xla", block_q=cfg.attention_chunk_size,
+      block_k=cfg.attention_chunk_size, interpret=None)
 
 
 def absorb_query(q_nope, q_rope, w_uk):
@@ -104,7 +132,10 @@ class MLA(nn.Module):
 
   @nn.compact
   def __call__(self, x_btd, cos, sin, *, prev_indices=None, doc_start=None,
-               with_indexer_loss=False):
+               with_indexer_loss=False, order=None):
+    """order: int32 [t], context parallelism's row layout (nn/context_parallel.py): the
+    keys (latent rows, indexer keys) are gathered back to natural order and query i sees
+    keys doc_start[i] <= j <= order[i]."""
     cfg = self.cfg
     dt = jnp.dtype(cfg.dtype)
     h, n, p, v = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
@@ -128,22 +159,22 @@ class MLA(nn.Module):
     ckv = x @ wkv_a.astype(dt)
     c_kv = norms.RMSNorm(1e-6, "kv_lora", pd, dt, name="kv_norm")(ckv[..., :c])
     k_rope = rope.apply_rope(ckv[..., c:], cos, sin, interleave=cfg.rope_interleave)
+    # Keys: the compressed rows (latent + rope key), all of them, in natural order.
+    kv = cp.gather_keys(jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], axis=-1), order)
+    c_kv, k_rope = kv[..., :c], kv[..., c:]
+    limit = None if order is None else jnp.broadcast_to(order, x.shape[:2])
 
     indices = prev_indices
     q_i = k_i = w_i = None
     if self.has_indexer:
       q_i, k_i, w_i = indexer_lib.Indexer(cfg, name="indexer")(x_btd, c_q, cos, sin)
+      k_i = cp.gather_keys(k_i, order)
       self.sow("intermediates", "indexer_qkw", (q_i, k_i, w_i))   # for tests / analysis
       if cfg.attention_type == "sparse":
-        indices = indexer_lib.select_topk(cfg, q_i, k_i, w_i, doc_start)
+        indices = indexer_lib.select_topk(cfg, q_i, k_i, w_i, doc_start, order)
 
-    t = x.shape[1]
     if cfg.attention_type == "dense":
-      mask = causal_mask(t, t)[None]
-      if doc_start is not None:
-        mask = mask & document_mask(doc_start, t)
-      o = mla_expanded_attention(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, mask,
-                                 cfg.softmax_scale)
+      o = mla_dense_attention(cfg, q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, doc_start, limit)
     else:
       if indices is None:
         raise ValueError("a 'shared' indexer layer needs the previous full layer's top-k")
@@ -153,8 +184,7 @@ class MLA(nn.Module):
     kl = None
     if with_indexer_loss and self.has_indexer:
       q_abs = absorb_query(q_nope, q_rope, w_uk)
-      kv = jnp.concatenate([c_kv, k_rope], axis=-1)
       kl_fn = losses.indexer_kl_dense if cfg.attention_type == "dense" else losses.indexer_kl_sparse
       kl = kl_fn(q_abs, kv, q_i, k_i, w_i, scale=cfg.softmax_scale, indices=indices,
-                 chunk_size=cfg.attention_chunk_size, doc_start=doc_start)
+                 chunk_size=cfg.attention_chunk_size, doc_start=doc_start, limit=limit)
     return out, indices, kl

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from glm5_jax.nn import context_parallel as cp
 from glm5_jax.nn import layer_stack
 from glm5_jax.nn import mtp as mtp_lib
 from glm5_jax.nn import norms
@@ -105,7 +106,8 @@ class GLM5(nn.Module):
   @nn.compact
   def __call__(self, tokens, positions=None, segment_ids=None, *,
                with_indexer_loss: bool = False,
-               return_logits: bool = True, return_topk: bool = False, mtp: bool | None = None):
+               return_logits: bool = True, return_topk: bool = False, mtp: bool | None = None,
+               order=None):
     """Forward pass.
 
     Args:
@@ -119,6 +121,8 @@ class GLM5(nn.Module):
         `losses.chunked_cross_entropy`).
       return_topk: return each layer's DSA top-k indices.
       mtp: run the MTP steps (default: whenever the config has MTP).
+      order: int32 [t], context parallelism's layout (nn/context_parallel.py): entry i of
+        every [b, t] input is natural position order[i] of the row. None: natural order.
     """
     cfg = self.cfg
     _check_tokens(cfg, tokens)
@@ -126,13 +130,13 @@ class GLM5(nn.Module):
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     cos, sin = rope.rope_angles(positions, cfg.qk_rope_head_dim, cfg.rope_theta)
-    doc_start = None if segment_ids is None else document_starts(segment_ids)
+    doc_start = None if segment_ids is None else _document_starts(segment_ids, order)
     embed = Embed(cfg, name="embed")
     head = Head(cfg, name="lm_head")
     final_norm = norms.RMSNorm(cfg.rms_norm_eps, param_dtype=cfg.param_dtype, name="final_norm")
     h = embed(tokens)
     h, kls, expert_load, all_idx = layer_stack.run_stacks(
-        self, cfg, h, cos, sin, doc_start, with_indexer_loss=with_indexer_loss,
+        self, cfg, h, cos, sin, doc_start, order, with_indexer_loss=with_indexer_loss,
         return_topk=return_topk)
     h_final = h
     hidden = final_norm(h)
@@ -144,8 +148,8 @@ class GLM5(nn.Module):
       step = mtp_lib.MTPStep(cfg, name="mtp")                # one module, D calls: shared weights
       hs, normed, step_kl, step_load = h_final, [], [], []
       for k in range(1, max(cfg.mtp_num_steps, 1) + 1):
-        emb_k = embed(mtp_lib.shift_tokens(tokens, k))
-        hs, n_k, _, kl, load = step(emb_k, hs, cos, sin, doc_start, with_indexer_loss)
+        emb_k = embed(_shifted(tokens, k, order))
+        hs, n_k, _, kl, load = step(emb_k, hs, cos, sin, doc_start, with_indexer_loss, order)
         normed.append(n_k)
         step_kl.append(kl if kl is not None else jnp.zeros((), jnp.float32))
         step_load.append(load)
@@ -168,6 +172,20 @@ def document_starts(segment_ids_bt):
   change = jnp.concatenate([jnp.ones_like(segment_ids_bt[:, :1], bool),
                             segment_ids_bt[:, 1:] != segment_ids_bt[:, :-1]], axis=1)
   return jax.lax.cummax(jnp.where(change, pos[None], 0), axis=1)
+
+
+def _document_starts(segment_ids_bt, order):
+  """document_starts of each entry, from the natural order of the row (context parallelism)."""
+  if order is None:
+    return document_starts(segment_ids_bt)
+  return cp.permute(document_starts(cp.natural(segment_ids_bt, order)), order)
+
+
+def _shifted(tokens_bt, k: int, order):
+  """tokens[i + k] of each entry's natural position i (MTP step k's input)."""
+  if order is None:
+    return mtp_lib.shift_tokens(tokens_bt, k)
+  return cp.permute(mtp_lib.shift_tokens(cp.natural(tokens_bt, order), k), order)
 
 
 def init_params(cfg, rng, *, on_host: bool = True):

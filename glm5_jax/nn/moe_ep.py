@@ -64,7 +64,7 @@ def _local_dispatch(x_nd, ids_nk, wts_nk, wg, wu, wd):
   back = jax.lax.all_to_all(ys, EXPERT_AXIS, 0, 0)            # back[j] = my rows sent to j
   rows = back[dest_s, slot] * wts_nk.reshape(-1)[order][:, None].astype(ys.dtype)
   y = jnp.zeros_like(x_nd).at[token_of].add(rows)
-  per_expert = jax.lax.psum(jnp.bincount(flat, length=e_loc * ep), shd.BATCH_AXES)
+  per_expert = jax.lax.psum(jnp.bincount(flat, length=e_loc * ep), shd.TOKEN_AXES)
   return y, per_expert
 
 
@@ -74,7 +74,7 @@ def ep_grouped_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid
   Needs a mesh set with `jax.set_mesh` that has the axes of `sharding.MESH_AXES`.
   Returns (y [n, d], tokens per expert int32 [E]).
   """
-  tok = P(shd.BATCH_AXES, None)
+  tok = P(shd.TOKEN_AXES, None)
   exp = P(EXPERT_AXIS, None, None)
   fn = jax.shard_map(_local_dispatch, in_specs=(tok, tok, tok, exp, exp, exp),
                      out_specs=(tok, P()), check_vma=False)

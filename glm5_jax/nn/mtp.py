@@ -32,7 +32,8 @@ class MTPStep(nn.Module):
   cfg: "ModelConfig"  # noqa: F821
 
   @nn.compact
-  def __call__(self, emb_btd, h_prev_btd, cos, sin, doc_start=None, with_indexer_loss=False):
+  def __call__(self, emb_btd, h_prev_btd, cos, sin, doc_start=None, with_indexer_loss=False,
+               order=None):
     cfg, pd = self.cfg, self.cfg.param_dtype
     d = cfg.hidden_size
     e = norms.RMSNorm(cfg.rms_norm_eps, param_dtype=pd, name="enorm")(emb_btd)
@@ -41,6 +42,6 @@ class MTPStep(nn.Module):
     x = jnp.concatenate([e, hh], axis=-1) @ eh_proj.astype(e.dtype)    # embedding FIRST
     layer = decoder_lib.remat_layer(cfg)(cfg, moe=cfg.is_moe_layer(cfg.num_hidden_layers),
                                          name="layer")
-    h, indices, kl, load = layer(x, cos, sin, None, doc_start, with_indexer_loss)
+    h, indices, kl, load = layer(x, cos, sin, None, doc_start, with_indexer_loss, order)
     normed = norms.RMSNorm(cfg.rms_norm_eps, param_dtype=pd, name="head_norm")(h)
     return h, normed, indices, kl, load

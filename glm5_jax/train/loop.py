@@ -61,6 +61,13 @@ def _validate(c, cfg, n_proc: int, mesh) -> None:
   if cfg.n_routed_experts % mesh.shape["expert"]:
     raise ValueError(f"config.mesh.expert={mesh.shape['expert']} does not divide "
                      f"n_routed_experts={cfg.n_routed_experts}")
+  n_ctx = mesh.shape["context"]
+  if n_ctx > 1 and c.seq_len % (2 * n_ctx):
+    raise ValueError(f"config.seq_len={c.seq_len} is not divisible by 2 * config.mesh.context="
+                     f"{2 * n_ctx} (context parallelism cuts each row into 2 * context chunks)")
+  if n_ctx > 1 and cfg.attention_impl == "pallas":
+    raise ValueError("config.mesh.context > 1 needs model.attention_impl='xla' (the Pallas "
+                     "indexer takes causal limits only)")
   for f in ("total_steps", "log_every", "checkpoint_every", "eval_every"):
     if c[f] < 1:
       raise ValueError(f"config.{f}={c[f]}: expected >= 1")

@@ -27,6 +27,7 @@ import optax
 from glm5_jax import losses
 from glm5_jax import nn as gnn
 from glm5_jax import optim
+from glm5_jax.nn import context_parallel as cp
 from glm5_jax.nn import layer_stack
 
 
@@ -131,16 +132,25 @@ def loss_fn(params, batch, *, cfg, stage: str, loss_chunk: int):
   st = get_stage(stage)
   mcfg = stage_model_config(cfg, stage)
   with_kl = st.indexer_kl
-  out = gnn.GLM5(mcfg).apply({"params": params}, batch["tokens"], batch["positions"],
-                             batch["segment_ids"], with_indexer_loss=with_kl,
-                             return_logits=False)
+  # Targets at offset 1 (next token) and 2..D+1 (MTP steps), in natural order.
+  offsets = [1] + ([k + 2 for k in range(mcfg.mtp_num_steps)]
+                   if mcfg.has_mtp and st.lm_loss else [])
+  tgt = {o: targets(batch, o) for o in offsets}
+  inputs = (batch["tokens"], batch["positions"], batch["segment_ids"])
+  order = None
+  if cp.size() > 1:                      # context parallelism: zig-zag rows over `context`
+    order = jnp.asarray(cp.zigzag_order(batch["tokens"].shape[1], cp.size()))
+    inputs = tuple(cp.permute(x, order) for x in inputs)
+    tgt = {o: tuple(cp.permute(x, order) for x in ym) for o, ym in tgt.items()}
+  out = gnn.GLM5(mcfg).apply({"params": params}, *inputs, with_indexer_loss=with_kl,
+                             return_logits=False, order=order)
   head = params["lm_head"]["kernel"]
-  y, m = targets(batch, 1)
+  y, m = tgt[1]
   ce, n_tok = losses.chunked_cross_entropy(out.hidden, head, y, m, chunk_size=loss_chunk)
   mtp_ce = []
   if out.mtp_hidden is not None and st.lm_loss:
     for k in range(mcfg.mtp_num_steps):
-      yk, mk = targets(batch, k + 2)
+      yk, mk = tgt[k + 2]
       mtp_ce.append(losses.chunked_cross_entropy(out.mtp_hidden[k], head, yk, mk,
                                                  chunk_size=loss_chunk)[0])
   mtp = losses.mtp_loss(mtp_ce, mcfg.mtp_loss_weight)

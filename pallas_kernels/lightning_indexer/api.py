@@ -23,7 +23,7 @@ def _check_shapes(q, k, w, topk):
 
 
 def topk_indices(q, k, w, topk: int, *, impl: str = "xla", interpret: bool | None = False,
-                 chunk_size: int = 512, start=None, backend: str | None = None):
+                 chunk_size: int = 512, start=None, backend: str | None = None, limit=None):
   """Top-k key positions per query by lightning-indexer score.
 
   Args:
@@ -39,6 +39,8 @@ def topk_indices(q, k, w, topk: int, *, impl: str = "xla", interpret: bool | Non
       documents: its document's start). Keys before it are never selected.
     backend: for "pallas", the kernel lowering: "tpu", "gpu", or None = the
       platform's (see `pallas_kernels._backend`).
+    limit: optional int32 [t], the last key each query may see (default causal,
+      `s - t + i`); "xla" only (context parallelism's permuted rows).
 
   Returns:
     int32 [b, t, topk]: for query i (absolute position s - t + i) the keys
@@ -48,8 +50,14 @@ def topk_indices(q, k, w, topk: int, *, impl: str = "xla", interpret: bool | Non
   _check_shapes(q, k, w, topk)
   if start is not None and start.shape != q.shape[:2]:
     raise ValueError(f"topk_indices: start{start.shape}, expected [b, t] = {q.shape[:2]}")
+  if limit is not None and limit.shape != q.shape[1:2]:
+    raise ValueError(f"topk_indices: limit{limit.shape}, expected [t] = {q.shape[1:2]}")
   if impl == "xla":
-    return reference.topk_indices_reference(q, k, w, topk, chunk_size=chunk_size, start=start)
+    return reference.topk_indices_reference(q, k, w, topk, chunk_size=chunk_size, start=start,
+                                            limit=limit)
+  if limit is not None:
+    raise ValueError("topk_indices: impl='pallas' takes causal limits only; context "
+                     "parallelism (a per-query `limit`) needs attention_impl='xla'")
   if impl == "pallas":
     from pallas_kernels.lightning_indexer import kernel  # pylint: disable=g-import-not-at-top
     return kernel.topk_indices(q, k, w, topk, start=start, interpret=interpret,

@@ -77,7 +77,8 @@ def _pad_to(x, axis: int, multiple: int):
   return jnp.pad(x, widths)
 
 
-def topk_indices_reference(q, k, w, topk: int, *, chunk_size: int = 512, start=None):
+def topk_indices_reference(q, k, w, topk: int, *, chunk_size: int = 512, start=None,
+                           limit=None):
   """Chunked jnp lightning-indexer top-k (the `impl="xla"` path).
 
   Args:
@@ -87,6 +88,8 @@ def topk_indices_reference(q, k, w, topk: int, *, chunk_size: int = 512, start=N
     topk: slots per query.
     chunk_size: queries scored at once; peak memory O(b * chunk * s).
     start: optional [b, t] int32 first visible key per query (packed documents).
+    limit: optional [t] int32 last visible key per query (default `causal_limit`; context
+      parallelism's permuted rows pass each query's natural position).
 
   Returns:
     int32 [b, t, topk].
@@ -95,7 +98,8 @@ def topk_indices_reference(q, k, w, topk: int, *, chunk_size: int = 512, start=N
   s = k.shape[1]
   c = max(1, min(chunk_size, t))
   n_chunks = -(-t // c)
-  limit = _pad_to(causal_limit(t, s), 0, c).reshape(n_chunks, c)
+  limit = causal_limit(t, s) if limit is None else limit.astype(jnp.int32)
+  limit = _pad_to(limit, 0, c).reshape(n_chunks, c)
   q_c = _pad_to(q, 1, c).reshape(b, n_chunks, c, *q.shape[2:]).swapaxes(0, 1)
   w_c = _pad_to(w, 1, c).reshape(b, n_chunks, c, w.shape[-1]).swapaxes(0, 1)
   start = jnp.zeros((b, t), jnp.int32) if start is None else start.astype(jnp.int32)
