@@ -66,7 +66,8 @@ _SCRIPT = textwrap.dedent("""
 
   dense = dict(attention_type="dense")
   for stage, over in (("pretrain", dense), ("dsa_warmup", dense), ("dsa_sparse", {})):
-    cfg = config_lib.get_preset("tiny", num_hidden_layers=2, **over)
+    # Blocks of 8 queries and keys: every query-blocked loop walks several blocks per shard.
+    cfg = config_lib.get_preset("tiny", num_hidden_layers=2, attention_chunk_size=8, **over)
     params = gnn.init_params(cfg, 0)
     want, want_g, _ = run(cfg, stage, params)
     for sizes in ({"context": 8}, {"data": 2, "context": 2, "expert": 2}):

@@ -71,7 +71,7 @@ def test_model_kernel_calls_compile_on_a_sharded_v5e_mesh():
   # Mosaic refuses a kernel with sharded operands ("cannot be automatically partitioned");
   # glm5_jax.nn.dsa_kernels runs each kernel in shard_map (batch over data, heads over tensor).
   devices = np.array(topologies.get_topology_desc("v5e:2x2", "tpu").devices)
-  mesh = jax.sharding.Mesh(devices.reshape(2, 1, 1, 2), shd.MESH_AXES)
+  mesh = jax.sharding.Mesh(devices.reshape(2, 1, 1, 1, 2), shd.MESH_AXES)
   b, t = 4, 4096
   named = lambda *spec: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
   q = jax.ShapeDtypeStruct((b, t, SHAPE["h"], SHAPE["d_qk"]), jnp.bfloat16,
@@ -103,7 +103,7 @@ def test_small_model_training_gradient_compiles_with_pallas_on_a_v5e_mesh():
   cfg = config_lib.get_preset("small", attention_impl="pallas", dtype="bfloat16",
                               num_hidden_layers=2)
   devices = np.array(topologies.get_topology_desc("v5e:2x2", "tpu").devices)
-  mesh = jax.sharding.Mesh(devices.reshape(2, 1, 1, 2), shd.MESH_AXES)
+  mesh = jax.sharding.Mesh(devices.reshape(2, 1, 1, 1, 2), shd.MESH_AXES)
   shapes, specs = gnn.abstract_params(cfg)
   params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         shapes, shd.param_shardings(specs, mesh))

@@ -84,3 +84,35 @@ def gather_keys(x_bs, order):
   if order is None:
     return x_bs
   return natural(x_bs, order)
+
+
+def per_shard(fn, n: int, queries, keys=()):
+  """`fn(*queries, *keys)` run on each `context` shard's own queries, vmapped over shards.
+
+  A computation that walks the query axis in blocks (flash attention, the indexer's query
+  chunks, the KL's) would slice a sharded axis and gather it; split instead into n shards
+  `[n, b, t / n, ...]` (the shard axis on `context`), each device walks its own queries
+  against all keys. queries: arrays [b, t, ...] (or [t] for per-position ones like limits);
+  keys: arrays every shard sees whole. Outputs [b, t, ...] are merged back; scalars are
+  averaged over shards (equal shard sizes: the mean over all queries).
+  """
+  def split(x):
+    if x is None:
+      return None
+    lead = x.ndim == 1                      # [t]: one row shared by the batch
+    y = x[None] if lead else x
+    b, t = y.shape[:2]
+    y = jnp.moveaxis(y.reshape(b, n, t // n, *y.shape[2:]), 1, 0)
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty:
+      y = jax.lax.with_sharding_constraint(y, P(AXIS, *([None] * (y.ndim - 1))))
+    return y[:, 0] if lead else y
+
+  def merge(y):
+    if y.ndim == 1:                         # a scalar per shard
+      return jnp.mean(y)
+    return jnp.moveaxis(y, 0, 1).reshape(y.shape[1], -1, *y.shape[3:])
+
+  out = jax.vmap(fn, in_axes=(0,) * len(queries) + (None,) * len(keys))(
+      *map(split, queries), *keys)
+  return jax.tree.map(merge, out)

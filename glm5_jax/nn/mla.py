@@ -162,7 +162,14 @@ class MLA(nn.Module):
     # Keys: the compressed rows (latent + rope key), all of them, in natural order.
     kv = cp.gather_keys(jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], axis=-1), order)
     c_kv, k_rope = kv[..., :c], kv[..., c:]
+    n_ctx = 1 if order is None else cp.size()
     limit = None if order is None else jnp.broadcast_to(order, x.shape[:2])
+    if order is not None and doc_start is None:
+      doc_start = jnp.zeros(x.shape[:2], jnp.int32)
+
+    def local(fn, queries, keys):
+      """fn over each context shard's own queries (per_shard), or over all of them."""
+      return cp.per_shard(fn, n_ctx, queries, keys) if n_ctx > 1 else fn(*queries, *keys)
 
     indices = prev_indices
     q_i = k_i = w_i = None
@@ -171,20 +178,25 @@ class MLA(nn.Module):
       k_i = cp.gather_keys(k_i, order)
       self.sow("intermediates", "indexer_qkw", (q_i, k_i, w_i))   # for tests / analysis
       if cfg.attention_type == "sparse":
-        indices = indexer_lib.select_topk(cfg, q_i, k_i, w_i, doc_start, order)
+        indices = local(lambda qi, wi, st, li, ki: indexer_lib.select_topk(
+            cfg, qi, ki, wi, st, li), (q_i, w_i, doc_start, order), (k_i,))
 
     if cfg.attention_type == "dense":
-      o = mla_dense_attention(cfg, q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, doc_start, limit)
+      o = local(lambda qn, qr, st, li, *kw: mla_dense_attention(cfg, qn, qr, *kw, st, li),
+                (q_nope, q_rope, doc_start, limit), (c_kv, k_rope, w_uk, w_uv))
     else:
       if indices is None:
         raise ValueError("a 'shared' indexer layer needs the previous full layer's top-k")
-      o = mla_sparse_attention(cfg, q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, indices)
+      o = local(lambda qn, qr, idx, *kw: mla_sparse_attention(cfg, qn, qr, *kw, idx),
+                (q_nope, q_rope, indices), (c_kv, k_rope, w_uk, w_uv))
     out = jnp.einsum("bthv,hvd->btd", o, wo.astype(dt))
 
     kl = None
     if with_indexer_loss and self.has_indexer:
       q_abs = absorb_query(q_nope, q_rope, w_uk)
       kl_fn = losses.indexer_kl_dense if cfg.attention_type == "dense" else losses.indexer_kl_sparse
-      kl = kl_fn(q_abs, kv, q_i, k_i, w_i, scale=cfg.softmax_scale, indices=indices,
-                 chunk_size=cfg.attention_chunk_size, doc_start=doc_start, limit=limit)
+      kl = local(lambda qa, qi, wi, st, li, idx, kv_, ki: kl_fn(
+          qa, kv_, qi, ki, wi, scale=cfg.softmax_scale, indices=idx,
+          chunk_size=cfg.attention_chunk_size, doc_start=st, limit=li),
+                 (q_abs, q_i, w_i, doc_start, limit, indices), (kv, k_i))
     return out, indices, kl
