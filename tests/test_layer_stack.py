@@ -30,7 +30,9 @@ CASES = {
     "tiny_sparse": ("tiny", dict()),
     "tiny_dense": ("tiny", dict(attention_type="dense")),
     "tiny_indexshare": ("tiny", dict(num_hidden_layers=5, indexer_types=SHARED)),
+    "small": ("small", dict(index_topk=16)),
 }
+_SLOW_CASES = ("small",)
 
 
 def _rng(request):
@@ -133,7 +135,9 @@ def _split(cfg, params):
   return rest, [layer_stack.layer_params(cfg, params, i) for i in range(cfg.num_hidden_layers)]
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
+@pytest.fixture(scope="module", params=[
+    pytest.param(name, marks=pytest.mark.slow) if name in _SLOW_CASES else name
+    for name in sorted(CASES)])
 def case(request):
   preset, overrides = CASES[request.param]
   cfg = config_lib.get_preset(preset, **overrides)
