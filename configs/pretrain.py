@@ -1,8 +1,20 @@
 r"""Pretraining config: `--config=configs/pretrain.py:model=tiny,runlocal=True`.
 
 Arguments (big_vision style): model=<preset>, stage=pretrain|midtrain|dsa_warmup|dsa_sparse|sft,
-runlocal=True shrinks the same config for a laptop CPU. Any field can be overridden:
-`--config.total_steps=300 --config.mesh.fsdp=2`.
+context=32k|128k|200k (stage=midtrain), runlocal=True shrinks the same config for a laptop CPU.
+Any field can be overridden: `--config.total_steps=300 --config.mesh.fsdp=2`.
+
+Mid-training grows the context in three stages (GLM-5 paper §2: 32K for 1T tokens, 128K for
+500B, 200K for 50B), each starting from the previous stage's parameters:
+
+  python -m experiments.pretrain \
+      --config=configs/pretrain.py:model=glm5,stage=midtrain,context=32k \
+      --workdir=W/midtrain_32k --config.init_from=W/pretrain
+  ... context=128k --workdir=W/midtrain_128k --config.init_from=W/midtrain_32k
+  ... context=200k --workdir=W/midtrain_200k --config.init_from=W/midtrain_128k
+
+RoPE is unchanged (the paper names no base change or YaRN for the extension; the released
+config keeps rope_theta 1e6, rope_type "default"). See docs/long_context.md.
 """
 
 import os
@@ -12,9 +24,25 @@ import ml_collections
 from configs import common
 from glm5_jax import config as config_lib
 
+# context -> (seq_len, batch_size, total_steps). About 1M tokens per step, like pretraining's
+# 256 x 4096 (200K: 4 x 202,752 = 0.8M, a batch that power-of-two meshes divide), and steps in
+# the paper's 20 : 10 : 1 token ratio. 200K is GLM-5's max_position_embeddings, 202,752.
+MIDTRAIN = {"32k": (32_768, 32, 1000), "128k": (131_072, 8, 500), "200k": (202_752, 4, 50)}
+# runlocal: three growing lengths within the tiny preset's max_position_embeddings (4096), from
+# pretraining's 256; 2048-4096 tokens per step.
+MIDTRAIN_LOCAL = {"32k": (1024, 2, 100), "128k": (2048, 1, 100), "200k": (4096, 1, 200)}
+
 
 def get_config(arg=None):
-  a = common.parse_arg(arg, model="tiny", stage="pretrain", runlocal=False)
+  a = common.parse_arg(arg, model="tiny", stage="pretrain", context="", runlocal=False)
+  if a.context and a.stage != "midtrain":
+    raise ValueError(f"config argument context={a.context!r} is for stage=midtrain, not "
+                     f"stage={a.stage!r}")
+  if a.stage == "midtrain":
+    a.context = a.context or "32k"
+    if a.context not in MIDTRAIN:
+      raise ValueError(f"config argument context={a.context!r}: expected one of "
+                       f"{list(MIDTRAIN)}")
   c = ml_collections.ConfigDict()
   c.model = config_lib.preset_config_dict(a.model)
   c.stage = a.stage
@@ -45,7 +73,8 @@ def get_config(arg=None):
   c.tensorboard = True
 
   # Mesh sizes (one -1 = the rest of the devices) and the logical-axis rules.
-  c.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "expert": 1, "tensor": 1})
+  c.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "context": 1, "expert": 1,
+                                      "tensor": 1})
   c.mesh_rules = ml_collections.FieldReference(None, field_type=list)
 
   c.distributed = ml_collections.ConfigDict({
@@ -65,8 +94,10 @@ def get_config(arg=None):
                                           # documents: disjoint reading per process
   })
 
-  if a.stage == "midtrain":
-    c.seq_len = 32768
+  if a.stage == "midtrain":              # from the previous stage: --config.init_from=WORKDIR
+    c.seq_len, c.batch_size, c.total_steps = MIDTRAIN[a.context]
+    c.learning_rate = 1e-3                # the paper gives none: half of pretraining's peak
+    c.warmup_steps = min(c.warmup_steps, c.total_steps // 10)
   if a.stage == "sft":                    # conversations: --config.data.sources=FILE.jsonl
     c.data.dir = os.path.expanduser("~/.cache/glm5_jax/sft")
     c.data.val_fraction = 0.02
@@ -90,5 +121,5 @@ def get_config(arg=None):
     c.loss_chunk = 128
     c.peak_tflops = 0.2                   # a rough 2-core CPU figure
     if a.stage == "midtrain":
-      c.seq_len = 512
+      c.seq_len, c.batch_size, c.total_steps = MIDTRAIN_LOCAL[a.context]
   return c

@@ -9,6 +9,8 @@ indexer attends across documents. The iterator's state is checkpointable
 
 from __future__ import annotations
 
+import os
+
 import grain
 import grain.experimental as grain_exp
 import numpy as np
@@ -53,8 +55,13 @@ def packed_dataset(data_dir: str, split: str, *, seq_len: int, batch_per_process
     ds = ds.repeat()
   if shard == "documents":
     ds = ds[process_index::process_count]
+  # A corpus with passkey documents (data/passkey.py) keeps its documents of exactly seq_len
+  # whole, one per row (grain's default splits them at the current row's end).
+  whole = (os.path.exists(os.path.join(data_dir, corpus.META))
+           and corpus.load_meta(data_dir).get("whole_full_length_documents", False))
   packed = grain_exp.ConcatThenSplitIterDataset(ds.map(_decode).to_iter_dataset(),
-                                                length_struct={"tokens": seq_len})
+                                                length_struct={"tokens": seq_len},
+                                                split_full_length_features=not whole)
   packed = packed.map(_rename)
   if shard == "documents":
     return packed.batch(batch_per_process, drop_remainder=True)

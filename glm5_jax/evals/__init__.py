@@ -1,0 +1,1 @@
+"""Evaluations of trained models (long_context: loss by position, passkey retrieval)."""
