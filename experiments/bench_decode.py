@@ -1,139 +1,287 @@
-r"""Decode throughput of the inference engine on CPU: absorbed vs expanded MLA, KV bytes, MTP.
+r"""Inference engine benchmarks on this machine; every number is a ratio measured in one run.
 
-  python -m experiments.bench_decode --presets=tiny,small --contexts=1024,8192 \
-      --out=/tmp/bench_decode.json
+  python -m experiments.bench_decode --checkpoint=/tmp/mj/dsa_sparse \
+      --out=docs/bench_decode_cpu.json
 
-For each preset and context length: one request (batch 1) is prefilled to the
-context in a session, then `--new_tokens` greedy tokens are decoded with the
-absorbed form (MQA over the cached latent rows, spec §2.3) and with the
-expanded form (per-head K/V up-projected from the gathered top-k latent rows,
-spec §2.2), each timed after a warm-up call that compiles it. Both forms read
-the same latent cache; "KV bytes/token" compares it with the cache an
-expanded-form engine would hold (per-head K and V).
+Sections (`--sections`, default all):
+  continuous  64 requests in 8 groups of 8 (`submit(n=8)`), output lengths log-normal
+              (median 32 tokens, sigma 1.0, cap 512; no stop token, so every request runs
+              to its length): continuous batching vs static batching (the same engine
+              admitting new requests only when every slot is free). Total time and slot
+              utilisation. Each mode runs the workload once to compile, then is timed.
+  prefix      prefill of one group of 8 copies of a prompt (`n=8`: prefilled once, full
+              blocks shared) vs 8 different prompts of the same length.
+  hf          our engine vs transformers' `generate` (eager, its own cache) on the same
+              weights, greedy, at several batch sizes, for the checkpoint's model (tiny)
+              and a random `small`.
+  speculative MTP speculative vs plain decoding at batch 1 (greedy), with the time of one
+              round split into draft / verify / accept, each part timed alone.
+  bf16        the bfloat16 engine's log-probs vs the bfloat16 trainer forward and vs the
+              float32 forward on the same tokens (the train/rollout gap at bf16).
+  contexts    decode tokens/s at batch 1 after a long prompt, and KV-cache bytes/token
+              (this latent cache vs a per-head K/V cache).
 
-Speculative decoding (tiny preset, first context): plain vs MTP-speculative
-greedy decoding, acceptance length and speed-up. On random weights the MTP
-head is no better than chance, so the acceptance length is ~1 and the
-"speed-up" is a slowdown: these numbers test the plumbing, not the method;
-rerun with --checkpoint once a pretrained checkpoint exists.
+Writes the JSON of every section and prints a table per section.
 """
 
 import json
+import platform
+import tempfile
+import time
 
 from absl import app
 from absl import flags
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from glm5_jax import config as config_lib
-from glm5_jax.train import checkpoint as train_checkpoint
 from glm5_jax import nn as gnn
+from glm5_jax import timing
 from glm5_jax.inference import Engine
 from glm5_jax.inference import SamplingParams
-from glm5_jax.inference import forward
+from glm5_jax.inference import steps
+from glm5_jax.nn import kv_cache
+from glm5_jax.train import checkpoint as train_checkpoint
 
-_PRESETS = flags.DEFINE_list("presets", ["tiny", "small"], "model presets")
-_CONTEXTS = flags.DEFINE_list("contexts", ["1024", "8192"], "context lengths")
-_NEW = flags.DEFINE_integer("new_tokens", 32, "timed decode tokens per point")
-_SPEC = flags.DEFINE_boolean("speculative", True, "also time MTP speculative decoding")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "timed calls per point (median)")
-_CHECKPOINT = flags.DEFINE_string("checkpoint", None,
-                                  "HF dir or pretraining workdir for the speculative run")
+SECTIONS = ("continuous", "prefix", "hf", "speculative", "bf16", "contexts")
+_SECTIONS = flags.DEFINE_list("sections", list(SECTIONS), f"any of {SECTIONS}")
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "pretraining workdir or HF dir (trained "
+                                  "weights; default: random tiny weights)")
+_SLOTS = flags.DEFINE_integer("slots", 16, "max_batch of the continuous/static engines")
+_HF_BATCHES = flags.DEFINE_list("hf_batches", ["1", "16", "64"], "batch sizes vs transformers")
+_HF_NEW = flags.DEFINE_integer("hf_new_tokens", 32, "greedy tokens per request vs transformers")
+_HF_PRESETS = flags.DEFINE_list("hf_presets", ["checkpoint", "small"],
+                                "'checkpoint' (the --checkpoint model) and/or presets")
+_SPEC_NEW = flags.DEFINE_integer("spec_new_tokens", 96, "tokens per speculative run")
+_SPEC_ROUNDS = flags.DEFINE_integer("spec_rounds", 4, "speculative rounds per device call")
+_CONTEXTS = flags.DEFINE_list("contexts", ["1024", "4096"], "prompt lengths (contexts)")
 _OUT = flags.DEFINE_string("out", "bench_decode.json", "JSON output path")
 
-_STEPS = 8                                      # decode steps per device call
+
+def _model():
+  if _CHECKPOINT.value:
+    cfg, params = train_checkpoint.load_model(_CHECKPOINT.value)
+    return cfg, params, _CHECKPOINT.value
+  cfg = config_lib.get_preset("tiny")
+  return cfg, gnn.init_params(cfg, 0), "random tiny"
 
 
-def _max_len(ctx, n):
-  """Cache length for a ctx-token prompt and the timed decodes of n tokens (plus warm-up)."""
-  return ctx + (_REPEATS.value + 2) * (n + 1) + 64
+def _prompts(cfg, n, length, seed):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(3, cfg.vocab_size, length).tolist() for _ in range(n)]
 
 
-def _decode_rate(engine, sid, n, form):
-  """Median decode tokens/s of n greedy tokens appended to the session, over _REPEATS
-  calls after a warm-up call that compiles."""
-  warm = SamplingParams(max_new_tokens=_STEPS + 1, temperature=0.0)
-  engine.generate([[]], warm, session_id=sid, attention_form=form)
-  rates = []
-  for _ in range(_REPEATS.value):
-    out = engine.generate([[]], SamplingParams(max_new_tokens=n + 1, temperature=0.0),
-                          session_id=sid, attention_form=form)[0]
-    rates.append((len(out.token_ids) - 1) / engine.last_stats["decode_s"])
-  return float(np.median(rates)), out
+def _run(engine, groups, lengths):
+  """Submits every group (n copies of its prompt, each copy its own length), steps to the
+  end. Returns (seconds, slot utilisation of this run)."""
+  before = dict(engine.stats)
+  t0 = time.perf_counter()
+  ids = []
+  for g, (prompt, lens) in enumerate(zip(groups, lengths)):
+    for j, n_new in enumerate(lens):
+      ids += engine.submit(prompt, SamplingParams(max_new_tokens=int(n_new), seed=g),
+                           stream=j)
+  engine.wait(ids)
+  dt = time.perf_counter() - t0
+  used = engine.stats["decode_slot_steps"] - before.get("decode_slot_steps", 0)
+  offered = (engine.stats["decode_steps"] - before.get("decode_steps", 0)) * engine.max_batch
+  return dt, used / max(offered, 1)
 
 
-def bench_preset(preset, contexts, n):
+def bench_continuous(cfg, params):
+  rng = np.random.default_rng(0)
+  lengths = np.minimum(np.round(np.exp(np.log(32) + rng.normal(size=(8, 8)))), 512).astype(int)
+  lengths = np.maximum(lengths, 1)
+  max_len = 24 + 512 + 8
+  out = {"requests": 64, "groups": 8, "slots": _SLOTS.value,
+         "output_len_median": float(np.median(lengths)), "output_len_max": int(lengths.max()),
+         "output_tokens": int(lengths.sum())}
+  for mode in ("static", "continuous"):
+    eng = Engine(cfg, params, max_batch=_SLOTS.value, max_len=max_len, scheduling=mode)
+    # Once to compile every shape the schedule uses, then timed on other prompts of the
+    # same lengths (no cached prefix from the first run: the same shapes again).
+    _run(eng, _prompts(cfg, 8, 24, 1), lengths)
+    out[f"{mode}_s"], out[f"{mode}_slot_utilisation"] = _run(eng, _prompts(cfg, 8, 24, 2),
+                                                             lengths)
+    print(f"  {mode}: {out[f'{mode}_s']:.2f}s, slot utilisation "
+          f"{out[f'{mode}_slot_utilisation']:.2f}", flush=True)
+  out["speed_up"] = out["static_s"] / out["continuous_s"]
+  return out
+
+
+def bench_prefix(cfg, params, length=2048):
+  def prefill_time(same: bool, seed):
+    eng = Engine(cfg, params, max_batch=8, max_len=length + 8, prefill_chunk=512)
+    sp = SamplingParams(max_new_tokens=1)
+    for s in (seed, seed + 1):                                  # the second one is timed
+      prompts = _prompts(cfg, 1 if same else 8, length, s)
+      t0 = time.perf_counter()
+      ids = (eng.submit(prompts[0], sp, n=8) if same
+             else [eng.submit(p, sp, stream=j)[0] for j, p in enumerate(prompts)])
+      eng.wait(ids)
+      dt = time.perf_counter() - t0
+    return dt
+  out = {"prompt_len": length, "group_of_8_s": prefill_time(True, 10),
+         "separate_8_s": prefill_time(False, 20)}
+  out["speed_up"] = out["separate_8_s"] / out["group_of_8_s"]
+  print(f"  prefix: group {out['group_of_8_s']:.3f}s vs separate {out['separate_8_s']:.3f}s "
+        f"(x{out['speed_up']:.2f})", flush=True)
+  return out
+
+
+def bench_hf(cfg, params, name):
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  from glm5_jax import hf  # pylint: disable=g-import-not-at-top
+  d = tempfile.mkdtemp()
+  hf.save_pretrained(cfg, params, d)
+  model = transformers.GlmMoeDsaForCausalLM.from_pretrained(d).eval()
+  n_new, prompt_len = _HF_NEW.value, 32
   rows = []
-  for ctx in contexts:
-    max_len = _max_len(ctx, n)
-    cfg = config_lib.get_preset(preset, max_position_embeddings=max_len)
-    params = gnn.init_params(cfg, 0)
-    engine = Engine(cfg, params, max_batch=1, max_len=max_len, prefill_chunk=512,
-                    steps_per_sync=_STEPS)
-    sid = engine.new_session()
-    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, ctx).tolist()
-    engine.generate([prompt], SamplingParams(max_new_tokens=1, temperature=0.0), session_id=sid)
-    prefill_s = engine.last_stats["prefill_s"]
-    row = {"preset": preset, "context": ctx, "prefill_s_incl_compile": prefill_s,
-           **{f"kv_bytes_per_token_{k}": v for k, v in forward.kv_bytes_per_token(cfg).items()}}
-    for form in forward.ATTENTION_FORMS:
-      row[f"{form}_tok_s"], _ = _decode_rate(engine, sid, n, form)
-    rows.append(row)
-    print(f"  {row}", flush=True)
+  for b in (int(x) for x in _HF_BATCHES.value):
+    prompts = _prompts(cfg, b, prompt_len, 2)
+    eng = Engine(cfg, params, max_batch=b, max_len=prompt_len + n_new + 8)
+    sp = SamplingParams(max_new_tokens=n_new, temperature=0.0)
+    eng.generate(prompts, sp)                                   # compile
+    t0 = time.perf_counter()
+    outs = eng.generate(_prompts(cfg, b, prompt_len, 3), sp)
+    ours = time.perf_counter() - t0
+    x = torch.tensor(_prompts(cfg, b, prompt_len, 3))
+    with torch.no_grad():
+      model.generate(x, max_new_tokens=2, min_new_tokens=2, do_sample=False)     # warm up
+      t0 = time.perf_counter()
+      ref = model.generate(x, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False)
+      theirs = time.perf_counter() - t0
+    same = float(np.mean([o.token_ids == r[prompt_len:].tolist() for o, r in zip(outs, ref)]))
+    rows.append({"model": name, "batch": b, "ours_s": ours, "transformers_s": theirs,
+                 "speed_up": theirs / ours, "greedy_sequences_equal": same})
+    print(f"  {rows[-1]}", flush=True)
   return rows
 
 
-def bench_speculative(ctx, n, checkpoint):
-  max_len = _max_len(ctx, n)
-  if checkpoint:
-    cfg, params = train_checkpoint.load_model(checkpoint)
-    cfg = cfg.replace(max_position_embeddings=max(cfg.max_position_embeddings, max_len))
-  else:
-    cfg = config_lib.get_preset("tiny", max_position_embeddings=max_len)
-    params = gnn.init_params(cfg, 0)
-  prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, ctx).tolist()
-  result = {"context": ctx, "weights": checkpoint or "random (tiny)"}
-  for spec in (False, True):
-    engine = Engine(cfg, params, max_batch=1, max_len=max_len, prefill_chunk=512,
-                    steps_per_sync=_STEPS, speculative=spec)
-    sid = engine.new_session()
-    engine.generate([prompt], SamplingParams(max_new_tokens=1, temperature=0.0), session_id=sid)
-    rate, out = _decode_rate(engine, sid, n, "absorbed")
-    result["speculative_tok_s" if spec else "plain_tok_s"] = rate
-    if spec:
-      result["acceptance_length"] = out.acceptance_length
-  result["speed_up"] = result["speculative_tok_s"] / result["plain_tok_s"]
-  return result
+def bench_speculative(cfg, params):
+  """Batch-1 greedy decoding: plain (steps_per_sync 8, the default, and 32) vs MTP
+  speculative (`--spec_rounds` rounds per call; D = the config's MTP steps, and D + 2),
+  each variant timed 5 times, interleaved (this machine's timings drift), medians."""
+  prompt = _prompts(cfg, 1, 64, 4)[0]
+  n = _SPEC_NEW.value
+  d = cfg.mtp_num_steps
+  variants = {"plain_sync8": dict(steps_per_sync=8), "plain_sync32": dict(steps_per_sync=32),
+              f"speculative_d{d}": dict(speculative=True, rounds_per_sync=_SPEC_ROUNDS.value),
+              f"speculative_d{d + 2}": dict(speculative=True, num_draft=d + 2,
+                                            rounds_per_sync=_SPEC_ROUNDS.value)}
+  sp = SamplingParams(max_new_tokens=n, temperature=0.0)
+  engines = {}
+  for name, kw in variants.items():
+    engines[name] = Engine(cfg, params, max_batch=1, max_len=64 + n + 64, **kw)
+    engines[name].generate([prompt], sp)                         # compile
+  times = {name: [] for name in variants}
+  accept = {}
+  for rep in range(5):
+    p = prompt[rep + 1:] + [5] * (rep + 1)
+    for name, eng in engines.items():
+      t0 = time.perf_counter()
+      res = eng.generate([p], sp)[0]
+      times[name].append(time.perf_counter() - t0)
+      if res.num_rounds:
+        accept[name] = res.acceptance_length
+  out = {"batch": 1, "new_tokens": n, "rounds_per_sync": _SPEC_ROUNDS.value,
+         "seconds": {k: float(np.median(v)) for k, v in times.items()},
+         "acceptance_length": accept}
+  best_plain = min(out["seconds"]["plain_sync8"], out["seconds"]["plain_sync32"])
+  best_spec = min(v for k, v in out["seconds"].items() if k.startswith("speculative"))
+  out["speed_up_vs_default_plain"] = out["seconds"]["plain_sync8"] / best_spec
+  out["speed_up_vs_best_plain"] = best_plain / best_spec
+  # One round's parts at decode shapes (each a jitted call of its own, dispatch included).
+  bs = 16
+  cache = kv_cache.init_cache(cfg, 16 * bs, with_mtp=True)
+  table = jnp.arange(16, dtype=jnp.int32)[None]
+  pos = jnp.asarray([100], jnp.int32)
+  one = jnp.ones(1, jnp.int32)
+  h = jnp.zeros((1, 1, cfg.hidden_size), cfg.dtype)
+  draft = jax.jit(lambda c: steps.mtp(cfg, bs, params, c, table, one[:, None], h, pos, one))
+  verify = jax.jit(lambda c: steps.forward(cfg, bs, params, c, table,
+                                           jnp.ones((1, d + 1), jnp.int32), pos, one * (d + 1)))
+  plain = jax.jit(lambda c: steps.forward(cfg, bs, params, c, table, one[:, None], pos, one))
+  st = {"tok": one, "pos": pos, "active": jnp.ones(1, bool), "n_gen": one, "budget": one * 99,
+        "seed": one, "req": one, "temp": jnp.zeros(1), "top_k": one * 0, "top_p": jnp.ones(1),
+        "stop": -jnp.ones((1, 4), jnp.int32)}
+  rnd = jax.jit(lambda c, hl: steps.speculative_round(cfg, bs, d, params, c,
+                                                      steps.init_fold(st, hl, d), table, st))
+  t_draft = timing.median_time(draft, cache, repeats=5)
+  t_verify = timing.median_time(verify, cache, repeats=5)
+  t_round = timing.median_time(rnd, cache, h[:, 0], repeats=5)
+  out["parts_s"] = {"main_forward_1_token": timing.median_time(plain, cache, repeats=5),
+                    f"verify_{d + 1}_tokens": t_verify, "draft_1_mtp_step": t_draft,
+                    "round": t_round,
+                    "accept_and_rest": max(t_round - d * t_draft - t_verify, 0.0)}
+  print(f"  speculative: {out['seconds']}, acceptance {accept}, x{out['speed_up_vs_default_plain']:.2f} "
+        f"vs default plain, x{out['speed_up_vs_best_plain']:.2f} vs best plain; parts (ms) "
+        f"{ {k: round(v * 1e3, 3) for k, v in out['parts_s'].items()} }", flush=True)
+  return out
 
 
-def table(rows) -> str:
-  head = (f"{'preset':>6} {'context':>7} | {'absorbed tok/s':>14} {'expanded tok/s':>14} | "
-          f"{'KV B/token latent':>17} {'expanded-cache':>14}")
-  lines = [head, "-" * len(head)]
-  for r in rows:
-    lines.append(f"{r['preset']:>6} {r['context']:>7} | {r['absorbed_tok_s']:>14.1f} "
-                 f"{r['expanded_tok_s']:>14.1f} | {r['kv_bytes_per_token_latent']:>17} "
-                 f"{r['kv_bytes_per_token_expanded_per_head']:>14}")
-  return "\n".join(lines)
+def bench_bf16(cfg, params):
+  cfg16 = cfg.replace(dtype="bfloat16")
+  prompts = _prompts(cfg, 4, 48, 5)
+  eng = Engine(cfg16, params, max_batch=4, max_len=128)
+  outs = eng.generate(prompts, SamplingParams(max_new_tokens=32, seed=0))
+  seqs = [p + o.token_ids for p, o in zip(prompts, outs)]
+  tokens = jnp.asarray(seqs, jnp.int32)
+  gaps = {}
+  for name, c in (("bf16_trainer", cfg16), ("f32_trainer", cfg)):
+    logits = jax.jit(lambda p, t, c=c: gnn.GLM5(c).apply({"params": p}, t, mtp=False).logits)(
+        params, tokens)
+    logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), -1))
+    d = np.concatenate([np.abs(np.asarray(o.logprobs) - logp[i, 47 + np.arange(32), o.token_ids])
+                        for i, o in enumerate(outs)])
+    gaps[name] = {"max_abs": float(d.max()), "mean_abs": float(d.mean())}
+  print(f"  bf16 engine log-prob gap: {gaps}", flush=True)
+  return {"tokens": 4 * 32, **gaps}
+
+
+def bench_contexts(cfg, params):
+  rows = []
+  for ctx in (int(c) for c in _CONTEXTS.value):
+    c = cfg.replace(max_position_embeddings=max(cfg.max_position_embeddings, ctx + 128))
+    eng = Engine(c, params, max_batch=1, max_len=ctx + 128, prefill_chunk=512)
+    sp = SamplingParams(max_new_tokens=64, temperature=0.0)
+    eng.generate(_prompts(c, 1, ctx, 6), sp)                    # compile
+    eng.generate(_prompts(c, 1, ctx, 7), sp)                    # same shapes, no shared prefix
+    st = eng.last_stats
+    rows.append({"context": ctx, "decode_tok_s": 63 / st["decode_s"],
+                 "prefill_tok_s": st["prefill_tokens"] / st["prefill_s"],
+                 **{f"kv_bytes_per_token_{k}": v for k, v in kv_cache.bytes_per_token(c).items()}})
+    print(f"  {rows[-1]}", flush=True)
+  return rows
 
 
 def main(argv):
   del argv
-  contexts = [int(c) for c in _CONTEXTS.value]
-  rows = []
-  for preset in _PRESETS.value:
-    rows += bench_preset(preset, contexts, _NEW.value)
-  print(table(rows))
-  result = {"rows": rows, "new_tokens": _NEW.value, "batch": 1}
-  if _SPEC.value:
-    spec = bench_speculative(contexts[0], _NEW.value, _CHECKPOINT.value)
-    print(f"speculative ({spec['weights']}, context {spec['context']}): plain "
-          f"{spec['plain_tok_s']:.1f} tok/s, MTP speculative {spec['speculative_tok_s']:.1f} "
-          f"tok/s (x{spec['speed_up']:.2f}), mean acceptance length "
-          f"{spec['acceptance_length']:.2f} tokens/verify"
-          + ("  [random weights: meaningless]" if not _CHECKPOINT.value else ""))
-    result["speculative"] = spec
+  bad = set(_SECTIONS.value) - set(SECTIONS)
+  if bad:
+    raise ValueError(f"--sections: {sorted(bad)} unknown; expected any of {SECTIONS}")
+  cfg, params, weights = _model()
+  result = {"machine": f"{platform.node()} ({platform.processor() or platform.machine()}, "
+                       f"{jax.devices()[0].platform}, {jax.device_count()} device(s))",
+            "weights": weights}
+  for section in _SECTIONS.value:
+    print(f"[{section}]", flush=True)
+    if section == "hf":
+      rows = []
+      for name in _HF_PRESETS.value:
+        if name == "checkpoint":
+          rows += bench_hf(cfg, params, weights)
+        else:
+          c = config_lib.get_preset(name)
+          rows += bench_hf(c, gnn.init_params(c, 0), f"random {name}")
+      result["hf"] = rows
+    else:
+      result[section] = globals()[f"bench_{section}"](cfg, params)
   with open(_OUT.value, "w") as f:
     json.dump(result, f, indent=2)
+  print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ def bench(preset: str) -> dict:
   for s in range(1, _STEPS.value + 1):
     t0 = time.perf_counter()
     state, m = run(s, state)
-    setup.engine.params = state.params
+    setup.engine.update_params(state.params, version=s)
     m["step_s"] = time.perf_counter() - t0
     rows.append(m)
   mean = lambda k: float(np.mean([m[k] for m in rows]))

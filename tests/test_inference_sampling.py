@@ -83,3 +83,17 @@ def test_greedy_acceptance_keeps_matching_drafts_and_corrects_the_first_mismatch
 def test_sampling_params_name_the_bad_field(kw, field):
   with pytest.raises(ValueError, match=f"SamplingParams.{field}="):
     SamplingParams(**kw)
+
+
+def test_all_greedy_rows_skip_the_draw_and_get_the_same_tokens(rng):
+  logits = jnp.asarray(rng.normal(size=(3, 50)), jnp.float32)
+  b = logits.shape[0]
+  logq = sampling.sampling_logprobs(logits, jnp.zeros(b), jnp.zeros(b, jnp.int32), jnp.ones(b))
+  keys = sampling.row_keys(jnp.arange(b), jnp.zeros(b, jnp.int32), jnp.zeros(b, jnp.int32))
+  drawn = sampling.sample(keys, logq)
+  np.testing.assert_array_equal(sampling.sample(keys, logq, jnp.ones(b, bool)), drawn)
+  np.testing.assert_array_equal(drawn, np.argmax(np.asarray(logits), -1))
+  mixed = sampling.sampling_logprobs(logits, jnp.asarray([0.0, 1.0, 0.0]),
+                                     jnp.zeros(b, jnp.int32), jnp.ones(b))
+  np.testing.assert_array_equal(sampling.sample(keys, mixed, jnp.asarray([True, False, True])),
+                                sampling.sample(keys, mixed))

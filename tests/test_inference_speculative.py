@@ -36,7 +36,7 @@ def params(cfg):
 @pytest.fixture(scope="module")
 def engine(cfg, params):
   return Engine(cfg, params, max_batch=BATCH, max_len=MAX_LEN, prefill_chunk=16,
-                speculative=True)
+                speculative=True, rounds_per_sync=2)     # catch-up folded across rounds
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ spans several query and key tiles with ragged tails.
 """
 
 import functools
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -25,15 +26,61 @@ TILES = {"tpu": dict(block_q=8, block_k=8), "gpu": dict(block_q=16, block_k=16)}
 BACKENDS = sorted(TILES)
 
 
-def _kernel_topk(q, k, w, topk, backend, chunk_size=16, start=None):
+def _kernel_topk(q, k, w, topk, backend, chunk_size=16, start=None, limit=None):
   f = functools.partial(kernel.topk_indices, topk=topk, interpret=True, backend=backend,
                         chunk_size=chunk_size, **TILES[backend])
-  return np.asarray(jax.jit(f)(q, k, w, start=start))
+  return np.asarray(jax.jit(f)(q, k, w, start=start, limit=limit))
 
 
-def _reference_topk(q, k, w, topk, start=None):
+def _reference_topk(q, k, w, topk, start=None, limit=None):
   f = functools.partial(reference.topk_indices_reference, topk=topk, chunk_size=8)
-  return np.asarray(jax.jit(f)(q, k, w, start=start))
+  return np.asarray(jax.jit(f)(q, k, w, start=start, limit=limit))
+
+
+@pytest.fixture
+def seed(request):
+  """Inputs seeded by the test's name: new per test, replayable."""
+  return zlib.crc32(request.node.name.encode())
+
+
+def _numpy_topk(q, k, w, topk, start=None, limit=None):
+  """float64 numpy: keys start[b, i] <= j <= limit[(b,) i] sorted by (-score, j); -1 fill."""
+  q, k, w = (np.asarray(x, np.float64) for x in (q, k, w))
+  b, t = q.shape[:2]
+  s = k.shape[1]
+  scores = np.einsum("btj,btjs->bts", w, np.maximum(np.einsum("btjd,bsd->btjs", q, k), 0))
+  start = np.zeros((b, t), np.int64) if start is None else np.asarray(start)
+  limit = np.arange(t) + (s - t) if limit is None else np.asarray(limit)
+  limit = np.broadcast_to(limit, (b, t))
+  out = -np.ones((b, t, topk), np.int64)
+  for bi in range(b):
+    for i in range(t):
+      keys = np.arange(s)
+      keys = keys[(keys >= start[bi, i]) & (keys <= limit[bi, i])]
+      order = keys[np.lexsort((keys, -scores[bi, i, keys]))][:topk]
+      out[bi, i, :len(order)] = order
+  return out
+
+
+def _row_limits(seed, t, s):
+  """([b=3, t] start, [3, t] limit): three rows of one KV-cache batch, each its own window.
+
+  Row 0: the causal limits of a row 4 keys shorter (s - 4 - t + i; below 0 sees nothing).
+  Row 1: a document starting at 5; one query's limit (3) is below its start (it sees
+    nothing), another sees exactly one key.
+  Row 2: random limits from -2 (sees nothing) past the last key (s + 3), so beyond the
+    causal s - t + i as well as below it.
+  """
+  rng = np.random.default_rng(seed)
+  start = np.zeros((3, t), np.int32)
+  start[1] = 5
+  limit = np.zeros((3, t), np.int32)
+  limit[0] = np.arange(t) + (s - 4 - t)
+  limit[1] = rng.integers(6, s, t)
+  limit[1, 1], limit[1, 2] = 3, 5
+  limit[2] = rng.integers(-2, s + 4, t)
+  limit[2, :2] = (s + 3, -2)
+  return jnp.asarray(start), jnp.asarray(limit)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -130,3 +177,63 @@ def test_unknown_backend_is_rejected():
   q, k, w = testing.indexer_inputs(19, b=1, t=4, s=4, h_i=1, d_i=16)
   with pytest.raises(ValueError, match="backend='cuda'"):
     kernel.topk_indices(q, k, w, 2, interpret=True, backend="cuda")
+
+
+@pytest.mark.parametrize("impl", ["xla"] + BACKENDS)
+@pytest.mark.parametrize("t,s", [(11, 27), (24, 24)])
+def test_row_limits_match_numpy(impl, t, s, seed):
+  # Per-row [b, t] limits (a KV-cache batch) over several query chunks and key tiles; topk
+  # 6 > visible keys for some queries (-1 fill). t == s: the causal path would skip key tiles
+  # after each query tile (on both backends), which these limits reach.
+  topk = 6
+  q, k, w = testing.indexer_inputs(seed, b=3, t=t, s=s, h_i=2, d_i=16)
+  start, limit = _row_limits(seed, t, s)
+  if impl == "xla":
+    got = _reference_topk(q, k, w, topk, start=start, limit=limit)
+  else:
+    got = _kernel_topk(q, k, w, topk, impl, chunk_size=8, start=start, limit=limit)
+  np.testing.assert_array_equal(got, _numpy_topk(q, k, w, topk, start, limit))
+  assert np.all(got[1, 1] == -1)                        # limit 3 < start 5: sees nothing
+  np.testing.assert_array_equal(got[1, 2], [5] + [-1] * (topk - 1))
+  assert np.all(got[2, 1] == -1)                        # limit -2
+  assert np.all(got[2, 0] >= 0)                         # limit past the last key: all of them
+
+
+@pytest.mark.parametrize("kind", ["t", "bt"])
+def test_api_pallas_impl_matches_xla_impl_with_limit(kind, seed):
+  # impl="pallas" (interpreted TPU kernel) == impl="xla" for explicit limits, [t] (every
+  # row alike) or [b, t] (per row), both equal to the float64 numpy selection.
+  b, t, s, topk = 2, 10, 19, 5
+  q, k, w = testing.indexer_inputs(seed, b=b, t=t, s=s, h_i=2, d_i=16)
+  rng = np.random.default_rng(seed)
+  limit = jnp.asarray(rng.integers(-1, s + 2, (t,) if kind == "t" else (b, t)), jnp.int32)
+  start = jnp.asarray(rng.integers(0, 4, (b, t)), jnp.int32)
+  run = lambda impl: np.asarray(jax.jit(functools.partial(
+      lightning_indexer.topk_indices, topk=topk, impl=impl, interpret=True, chunk_size=4))(
+          q, k, w, start=start, limit=limit))
+  got = run("pallas")
+  np.testing.assert_array_equal(got, run("xla"))
+  np.testing.assert_array_equal(got, _numpy_topk(q, k, w, topk, start, limit))
+
+
+def test_causal_limit_passed_explicitly_equals_default(seed):
+  # An explicit limit equal to the causal one (all tiles scored) selects what the causal
+  # path (dead tiles skipped) selects, for [t] and its [b, t] broadcast.
+  b, t, s = 2, 13, 21
+  q, k, w = testing.indexer_inputs(seed, b=b, t=t, s=s, h_i=2, d_i=16)
+  want = _kernel_topk(q, k, w, 7, "tpu", chunk_size=8)
+  causal = reference.causal_limit(t, s)
+  np.testing.assert_array_equal(_kernel_topk(q, k, w, 7, "tpu", chunk_size=8, limit=causal),
+                                want)
+  np.testing.assert_array_equal(
+      _reference_topk(q, k, w, 7, limit=jnp.broadcast_to(causal, (b, t))), want)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("shape", [(5,), (1, 4), (4, 2), (2, 4, 1), ()])
+def test_bad_limit_shape_is_rejected(impl, shape):
+  q, k, w = testing.indexer_inputs(21, b=2, t=4, s=6, h_i=1, d_i=16)
+  with pytest.raises(ValueError, match=r"limit has shape .*expected int32 \[t\] = \(4,\) or "
+                     r"\[b, t\] = \(2, 4\)"):
+    lightning_indexer.topk_indices(q, k, w, 2, impl=impl, interpret=True,
+                                   limit=jnp.zeros(shape, jnp.int32))

@@ -95,7 +95,7 @@ def _unrolled(cfg, params, per_layer, tokens, segment_ids):
   for i in range(cfg.num_hidden_layers):
     kind = layer_stack.layer_kind(cfg, i)
     layer = decoder_lib.DecoderLayer(cfg, moe=kind.moe, has_indexer=kind.has_indexer)
-    h, new_idx, kl, load = layer.apply({"params": per_layer[i]}, h, cos, sin, idx, doc_start,
+    h, new_idx, kl, load, _ = layer.apply({"params": per_layer[i]}, h, cos, sin, idx, doc_start,
                                        True)
     idx = new_idx if new_idx is not None else idx
     kls.append(jnp.zeros(()) if kl is None else kl)
@@ -107,7 +107,7 @@ def _unrolled(cfg, params, per_layer, tokens, segment_ids):
          "indexer_kl": jnp.stack(kls), "expert_load": jnp.stack(loads), "topk": topk}
   step, hs, mtp = mtp_lib.MTPStep(cfg), h, []
   for k in range(1, cfg.mtp_num_steps + 1):
-    hs, normed, _, _, _ = step.apply({"params": params["mtp"]}, emb(mtp_lib.shift_tokens(
+    hs, normed, _, _, _, _ = step.apply({"params": params["mtp"]}, emb(mtp_lib.shift_tokens(
         tokens, k)), hs, cos, sin, doc_start, True)
     mtp.append(head(normed))
   out["mtp_logits"] = jnp.stack(mtp)

@@ -40,7 +40,8 @@ def test_sparse_attention_equals_masked_expanded(rng, topk):
   scores = jnp.asarray(rng.normal(size=(2, 9, 9)), jnp.float32)
   from pallas_kernels.lightning_indexer import reference as ref
   idx = ref.deterministic_topk(scores, ref.causal_limit(9, 9), topk)
-  got = mla.mla_sparse_attention(cfg, **x, indices_btk=idx)
+  kv = jnp.concatenate([x["c_kv"], x["k_rope"]], -1)
+  got = mla.mla_sparse_attention(cfg, x["q_nope"], x["q_rope"], kv, x["w_uk"], x["w_uv"], idx)
   mask = mla.topk_mask(idx, 9) & mla.causal_mask(9, 9)[None]
   want = mla.mla_expanded_attention(**x, mask_bts=mask, scale=cfg.softmax_scale)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -1,5 +1,7 @@
 """MoE: sigmoid routing (with groups) and dropless grouped matmuls vs loop references."""
 
+import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -64,3 +66,98 @@ def test_grouped_swiglu_equals_token_loop(rng):
                                    *(jnp.asarray(a, jnp.float32) for a in (wts, wg, wu, wd)))
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
   np.testing.assert_array_equal(counts, np.bincount(ids.ravel(), minlength=e))
+
+
+def _np_swiglu_loop(x, ids, wts, wg, wu, wd):
+  """float64 loop over tokens and their K experts."""
+  silu = lambda z: z / (1 + np.exp(-z))
+  want = np.zeros((x.shape[0], wd.shape[-1]))
+  for t in range(ids.shape[0]):
+    for j in range(ids.shape[1]):
+      ex = ids[t, j]
+      want[t] += wts[t, j] * ((silu(x[t] @ wg[ex]) * (x[t] @ wu[ex])) @ wd[ex])
+  return want
+
+
+def test_gathered_swiglu_equals_grouped_and_token_loop(rng):
+  n, d, i, e, k = 3, 6, 5, 8, 2                    # n*K < E: the decode regime
+  x = rng.normal(size=(n, d))
+  shared = int(rng.integers(e))                    # one expert repeated across all tokens
+  rest = [x for x in range(e) if x != shared]
+  ids = np.stack([rng.permutation([shared, *rng.permutation(rest)[:k - 1]]) for _ in range(n)])
+  wts = rng.random(size=(n, k))
+  wg, wu, wd = rng.normal(size=(e, d, i)), rng.normal(size=(e, d, i)), rng.normal(size=(e, i, d))
+  f32 = lambda a: jnp.asarray(a, jnp.float32)
+  args = (f32(x), jnp.asarray(ids, jnp.int32), f32(wts), f32(wg), f32(wu), f32(wd))
+  got, counts = moe.gathered_swiglu(*args)
+  ref, ref_counts = moe.grouped_swiglu(*args)
+  want = _np_swiglu_loop(x, ids, wts, wg, wu, wd)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+  assert counts.dtype == jnp.int32 and counts.shape == (e,)
+  np.testing.assert_array_equal(counts, ref_counts)
+  np.testing.assert_array_equal(counts, np.bincount(ids.ravel(), minlength=e))
+  assert counts[shared] == n
+
+
+def test_select_dispatch_by_token_count():
+  cfg = config_lib.get_preset("tiny")             # E = 8, K = 2; no mesh: no expert parallelism
+  assert moe.select_dispatch(cfg, 1) is moe.gathered_swiglu
+  assert moe.select_dispatch(cfg, 3) is moe.gathered_swiglu
+  assert moe.select_dispatch(cfg, 4) is moe.grouped_swiglu
+  assert moe.select_dispatch(cfg, 64) is moe.grouped_swiglu
+
+
+def _moe_and_params(rng, cfg):
+  """An MoE module and float32 parameters drawn from rng (init's shapes), activations O(1)."""
+  module = moe.MoE(cfg)
+  shapes = nn.unbox(module.init(jax.random.PRNGKey(0), jnp.zeros((1, 1, cfg.hidden_size))))
+  std = lambda a: a.shape[-2] ** -0.5 if a.ndim >= 2 else 0.3     # 1/sqrt(fan in)
+  params = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape) * std(a), jnp.float32),
+                        shapes)
+  return module, params
+
+
+def test_moe_gather_path_equals_grouped_path_on_padded_batch(rng, monkeypatch):
+  cfg = config_lib.get_preset("tiny")
+  module, params = _moe_and_params(rng, cfg)
+  used = []
+  for name in ("gathered_swiglu", "grouped_swiglu"):
+    fn = getattr(moe, name)
+    monkeypatch.setattr(moe, name, lambda *a, _fn=fn, _n=name: (used.append(_n), _fn(*a))[1])
+  x_few = jnp.asarray(rng.normal(size=(1, 3, cfg.hidden_size)), jnp.float32)   # n*K = 6 < 8
+  y_few, load_few = module.apply(params, x_few)
+  assert used == ["gathered_swiglu"]
+  # Real rows first in a larger batch of random rows: grouped path, same real rows.
+  x_pad = jnp.asarray(rng.normal(size=(2, 8, cfg.hidden_size)), jnp.float32).at[0, :3].set(x_few[0])
+  y_pad, _ = module.apply(params, x_pad)
+  assert used[1:] == ["grouped_swiglu"]
+  np.testing.assert_allclose(y_pad[0, :3], y_few[0], rtol=1e-5, atol=1e-5)
+  # The real rows repeated 4x: the same expert load fractions, through the grouped path.
+  y_rep, load_rep = module.apply(params, jnp.tile(x_few, (4, 1, 1)))
+  assert used[2:] == ["grouped_swiglu"]
+  np.testing.assert_allclose(y_rep, jnp.tile(y_few, (4, 1, 1)), rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(load_few, load_rep)
+  ids, _ = moe.route(cfg, x_few[0], params["params"]["router"]["kernel"],
+                     params["params"]["router"]["e_score_correction_bias"])
+  counts = np.bincount(np.asarray(ids).ravel(), minlength=cfg.n_routed_experts)
+  np.testing.assert_array_equal(
+      load_few, counts.astype(np.float32) / np.float32(3 * cfg.num_experts_per_tok))
+
+
+def test_moe_gather_path_gradients_equal_grouped_path(rng):
+  cfg = config_lib.get_preset("tiny")
+  module, params = _moe_and_params(rng, cfg)
+  x_few = jnp.asarray(rng.normal(size=(1, 3, cfg.hidden_size)), jnp.float32)
+  x_pad = jnp.asarray(rng.normal(size=(2, 8, cfg.hidden_size)), jnp.float32).at[0, :3].set(x_few[0])
+  cot = jnp.asarray(rng.normal(size=x_few.shape), jnp.float32)
+  cot_pad = jnp.zeros(x_pad.shape).at[0, :3].set(cot[0])     # pad rows carry no gradient
+  loss = lambda p, x, c: jnp.sum(module.apply(p, x)[0] * c)
+  g_few = jax.grad(loss, argnums=(0, 1))(params, x_few, cot)
+  g_pad = jax.grad(loss, argnums=(0, 1))(params, x_pad, cot_pad)
+  np.testing.assert_allclose(g_few[1][0], g_pad[1][0, :3], rtol=1e-5, atol=1e-5)
+  for name in ("w_gate", "w_up", "w_down"):
+    np.testing.assert_allclose(g_few[0]["params"]["experts"][name],
+                               g_pad[0]["params"]["experts"][name], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(g_few[0]["params"]["router"]["kernel"],
+                             g_pad[0]["params"]["router"]["kernel"], rtol=1e-5, atol=1e-5)

@@ -1,32 +1,55 @@
-"""Engine: batched, KV-cached generation with exact raw log-probs and sessions.
+"""Engine: continuous batching over a paged latent KV cache, exact raw log-probs, sessions,
+prefix sharing, weight hot-swap and MTP speculative decoding.
 
     engine = Engine(cfg, params, max_batch=8, max_len=4096)
-    outs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=16, seed=0))
-    outs[0].token_ids, outs[0].logprobs
+    ids = engine.submit([1, 2, 3], SamplingParams(max_new_tokens=16, seed=0), n=8)
+    while ids:                                   # or: engine.generate([[1, 2, 3], [4, 5]], sp)
+      for out in engine.step():                  # the requests that finished in this step
+        ids.remove(out.request_id)
+        out.token_ids, out.logprobs, out.versions
 
-The cache has `max_batch` slots of `max_len` rows (forward.py: per layer the
-latent row [c_kv | k_rope] and the indexer key, nothing per head). Every
-device step runs on all slots; slots not in the current call are inert
-(n_valid = 0: nothing written, outputs ignored). A request occupies a slot
-for one `generate` call; a session (`new_session`) holds its slot until
-`end_session`, and each `generate(..., session_id=...)` appends the new turn
-after the cached conversation (the last sampled token of the previous turn
-is fed first), without prefilling it again. Token ids in, token ids out.
+Every device step runs the trainer's own model (`GLM5.apply(..., cache=)`, steps.py) on
+`max_batch` slots. `step()`:
+  1. admits waiting requests (first come, first served) into free slots when their blocks
+     fit; with `scheduling="static"` only when every slot is free (the baseline);
+  2. runs one chunk of prefill (up to `prefill_chunk` tokens per prefilling slot); a slot
+     whose prompt ends in it samples its first token;
+  3. runs `steps_per_sync` decode steps (or speculative rounds) for the decoding slots;
+  4. returns the requests that finished; their slots are free for the next step.
+Token ids in, token ids out; nothing is converted to text.
 
-Shapes are bucketed so that new prompt lengths do not recompile: prefill runs
-in chunks of `prefill_chunk` tokens, the last chunk padded to a power of two
->= 16; decode runs `steps_per_sync` steps per call; a speculative round has
-D + 1 tokens. Padding is never written and never attended to (forward.py).
+Memory (paging.py): the cache is a pool of `num_blocks` blocks of `block_size` rows per
+layer. A request holds the blocks its prompt and budget need, reserved when it is admitted,
+so a running request never runs out. Equal prompt prefixes (the n copies of one `submit`,
+GRPO's group; repeated system prompts) share their full blocks and are prefilled once. A
+session keeps its blocks between turns (not a slot) and appends each turn after its cached
+conversation; idle sessions and unreferenced cached prefixes are evicted least recently used
+first when memory runs short (an evicted session re-prefills its conversation on its next
+turn). The indexer scores the blocks the batch's longest request holds (a power-of-two
+bucket of them), not `max_len` rows.
 
-Errors (ValueError, raised before any state changes, so the engine stays
-usable): empty prompt, prompt longer than the cache, unknown session, more
-requests than free slots, token ids outside the vocabulary.
+Weights (`update_params(params, version)`): between steps, no recompilation. Every cached
+row becomes invalid: running requests and sessions are prefilled again under the new
+weights before they continue, prefix entries are keyed by version, and every generated
+token records the version that produced it (`GenerationOutput.versions`), so each token's
+log-prob is exactly that of a full forward under its recorded version.
+
+Shapes are bucketed so that new prompt lengths do not recompile: prefill chunks are padded
+to a power of two >= 16 (at most `prefill_chunk`), block tables to a power-of-two number of
+blocks; decode runs `steps_per_sync` steps per call. Padding is never written and never
+attended to (nn/kv_cache.py).
+
+Errors (ValueError, raised before any state changes, so the engine keeps serving): empty
+prompt, token ids outside the vocabulary, a request larger than the cache, unknown request
+or session ids, a session with a turn in flight, n < 1, and `update_params` with a tree of
+another structure, shape or dtype.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
-import functools
 import itertools
 import time
 from typing import Sequence
@@ -34,10 +57,16 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from glm5_jax.inference import forward
+from glm5_jax import nn as gnn
+from glm5_jax import sharding as shd
+from glm5_jax.inference import paging
 from glm5_jax.inference import steps
 from glm5_jax.inference.sampling import SamplingParams
+from glm5_jax.nn import kv_cache
+
+SCHEDULING = ("continuous", "static")
 
 
 @dataclasses.dataclass
@@ -45,35 +74,81 @@ class GenerationOutput:
   """One request's result.
 
   Attributes:
+    request_id: the id `submit` returned.
     token_ids: generated ids (stop token included).
-    logprobs: raw-model log-prob of each generated id (before temperature,
-      top-k, top-p), float32 values as Python floats.
-    finish_reason: "stop" | "length" (max_new_tokens) | "cache_full".
+    logprobs: raw-model log-prob of each generated id (before temperature, top-k, top-p),
+      float32 values as Python floats.
+    versions: the weight version that produced each generated id.
+    finish_reason: "stop" | "length" (max_new_tokens) | "cache_full" (max_len).
     session_id: the session this turn belongs to, or None.
     num_rounds: speculative verify rounds (0 without speculative decoding).
     num_accepted: drafts accepted over those rounds.
-    topk_indices: with `record_topk=True`, {absolute position: int32 [L, K]}
-      the DSA top-k each layer chose for the token at that position.
+    topk_indices: with `record_topk=True`, {absolute position: int32 [L, K]} the DSA
+      top-k each layer chose for the token at that position.
+    num_cached_prompt_tokens: prompt rows taken from the cache (a session's conversation or
+      a shared prefix) instead of being prefilled.
   """
+  request_id: int
   token_ids: list
   logprobs: list
+  versions: list
   finish_reason: str
   session_id: str | None = None
   num_rounds: int = 0
   num_accepted: int = 0
   topk_indices: dict | None = None
+  num_cached_prompt_tokens: int = 0
 
   @property
   def acceptance_length(self) -> float:
-    """Tokens emitted per verify forward (1 + accepted drafts per round)."""
-    return len(self.token_ids) / self.num_rounds if self.num_rounds else float("nan")
+    """Tokens emitted per verify round (1 + accepted drafts); the first token, sampled
+    from the prefill's logits, is not a verified one."""
+    return (len(self.token_ids) - 1) / self.num_rounds if self.num_rounds else float("nan")
 
 
 @dataclasses.dataclass
-class _Slot:
-  tokens: list            # the conversation: cached rows + the pending last token
-  cache_len: int          # rows 0 .. cache_len - 1 hold tokens[:cache_len]
-  session_id: str | None
+class _Session:
+  sid: str
+  tokens: list = dataclasses.field(default_factory=list)   # cached rows + the pending token
+  blocks: list = dataclasses.field(default_factory=list)
+  cache_len: int = 0
+  h_last: object = None          # MTP: main hidden state of row cache_len - 1 (host copy)
+  busy: bool = False
+  last_used: int = 0
+  shard: int = 0                 # the pool shard of its blocks (sharded serving)
+
+
+@dataclasses.dataclass
+class _Request:
+  rid: int
+  stream: int
+  sampling: SamplingParams
+  session: _Session | None
+  record_topk: bool
+  tokens: list                   # conversation: cached rows, rows to prefill, the pending token
+  n_conv: int                    # len(tokens) at submit (conversation + prompt)
+  budget: int
+  leader: int | None = None      # the copy whose prefill this one waits for (n > 1)
+  blocks: list = dataclasses.field(default_factory=list)
+  shard: int = 0
+  cache_len: int = 0
+  slot: int | None = None
+  h_valid: bool = False
+  sampled: bool = False
+  prefilled: bool = False
+  gen: list = dataclasses.field(default_factory=list)
+  lps: list = dataclasses.field(default_factory=list)
+  versions: list = dataclasses.field(default_factory=list)
+  topk: dict | None = None
+  rounds: int = 0
+  accepted: int = 0
+  cached_prompt: int = 0
+  active: bool = True
+
+  @property
+  def feed_end(self) -> int:
+    """Rows to have in the cache before decoding: all but the pending token."""
+    return len(self.tokens) - 1 if self.sampled else len(self.tokens)
 
 
 def _buckets(chunk: int):
@@ -84,33 +159,48 @@ def _buckets(chunk: int):
   return out + [chunk]
 
 
+def _pow2(n: int) -> int:
+  return 1 << max(n - 1, 0).bit_length()
+
+
 class Engine:
-  """KV-cached GLM-5 inference (see module docstring)."""
+  """KV-cached GLM-5 inference with continuous batching (see module docstring)."""
 
   def __init__(self, cfg, params, *, max_batch: int = 8, max_len: int = 4096,
-               prefill_chunk: int = 256, steps_per_sync: int = 8, speculative: bool = False,
-               num_draft: int | None = None, attention_form: str = "absorbed"):
+               block_size: int = 16, num_blocks: int | None = None, prefill_chunk: int = 256,
+               steps_per_sync: int = 8, speculative: bool = False, num_draft: int | None = None,
+               rounds_per_sync: int = 1, scheduling: str = "continuous", version: int = 0,
+               mesh=None, rules=None):
     """Args:
       cfg: ModelConfig.
-      params: the model's parameter tree (nn.init_params / hf.load_pretrained).
-      max_batch: cache slots (concurrent requests + open sessions).
-      max_len: cache rows per slot (prompt + conversation + generated tokens).
-      prefill_chunk: tokens per prefill step (chunked prefill).
-      steps_per_sync: decode steps per device call (host checks for stop after each).
+      params: the model's parameter tree (nn.init_params / hf.load_pretrained / a trainer).
+      max_batch: slots: requests that run in one device step.
+      max_len: most rows one request may use (conversation + generated tokens).
+      block_size: rows per cache block.
+      num_blocks: blocks in the pool (default: room for max_batch requests of max_len).
+      prefill_chunk: most tokens per slot in one prefill step (chunked prefill).
+      steps_per_sync: decode steps per device call (the host sees finished requests after
+        each call).
       speculative: draft with the MTP module and verify (needs cfg with MTP).
       num_draft: drafts per round (default cfg.mtp_num_steps).
-      attention_form: "absorbed" (decode default) or "expanded" (benchmarks).
+      rounds_per_sync: speculative rounds per device call.
+      scheduling: "continuous" or "static" (admit only into an empty batch; a baseline).
+      version: the weight version of `params` (recorded per generated token).
+      mesh: serve under this mesh (sharding.make_mesh): parameters in the model's
+        shardings (`rules`, default sharding.DEFAULT_RULES: heads over `tensor`, experts
+        over `expert`), slots and the cache pool split over the batch axes (each request's
+        blocks on its slots' shard). None: the first device.
     """
-    for name, v in (("max_batch", max_batch), ("max_len", max_len),
-                    ("prefill_chunk", prefill_chunk), ("steps_per_sync", steps_per_sync)):
-      if not isinstance(v, int) or v < 1:
+    for name, v in (("max_batch", max_batch), ("max_len", max_len), ("block_size", block_size),
+                    ("prefill_chunk", prefill_chunk), ("steps_per_sync", steps_per_sync),
+                    ("rounds_per_sync", rounds_per_sync)):
+      if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise ValueError(f"Engine {name}={v!r}: expected a positive int")
     if max_len > cfg.max_position_embeddings:
       raise ValueError(f"Engine max_len={max_len}: expected <= ModelConfig."
                        f"max_position_embeddings={cfg.max_position_embeddings}")
-    if attention_form not in forward.ATTENTION_FORMS:
-      raise ValueError(f"Engine attention_form={attention_form!r}: expected one of "
-                       f"{forward.ATTENTION_FORMS}")
+    if scheduling not in SCHEDULING:
+      raise ValueError(f"Engine scheduling={scheduling!r}: expected one of {SCHEDULING}")
     num_draft = cfg.mtp_num_steps if num_draft is None else num_draft
     if speculative:
       if not cfg.num_nextn_predict_layers or "mtp" not in params:
@@ -119,108 +209,299 @@ class Engine:
                          "with an 'mtp' subtree")
       if num_draft < 1:
         raise ValueError(f"Engine num_draft={num_draft}: expected >= 1 with speculative=True")
-    self.cfg, self.params = cfg, params
-    self.max_batch, self.max_len = max_batch, max_len
+    per_request = -(-max_len // block_size)
+    num_blocks = max_batch * per_request if num_blocks is None else num_blocks
+    if not isinstance(num_blocks, int) or num_blocks < 1:
+      raise ValueError(f"Engine num_blocks={num_blocks!r}: expected a positive int")
+    self.cfg, self.max_batch, self.max_len = cfg, max_batch, max_len
+    self.block_size, self.num_blocks = block_size, num_blocks
     self.prefill_chunk = min(prefill_chunk, max_len)
-    self.steps_per_sync, self.speculative, self.num_draft = steps_per_sync, speculative, num_draft
-    self.attention_form = attention_form
+    self.steps_per_sync, self.speculative = steps_per_sync, speculative
+    self.num_draft, self.rounds_per_sync, self.scheduling = num_draft, rounds_per_sync, scheduling
+    self.version = version
     self._buckets = _buckets(self.prefill_chunk)
-    self._slots: list[_Slot | None] = [None] * max_batch
-    self._sessions: dict[str, int] = {}
-    self._session_counter = itertools.count()
+    self._max_table = _pow2(per_request)
+    self.mesh = mesh
+    self._n_shards = 1 if mesh is None else shd.batch_axis_size(mesh)
+    for name, v in (("max_batch", max_batch), ("num_blocks", num_blocks)):
+      if v % self._n_shards:
+        raise ValueError(f"Engine {name}={v}: expected a multiple of the mesh's batch axes "
+                         f"({self._n_shards} shards: {dict(mesh.shape)})")
+    per_shard = num_blocks // self._n_shards
+    self._pools = [paging.BlockPool(per_shard, block_size, lookahead=1 if speculative else 0,
+                                    first=i * per_shard) for i in range(self._n_shards)]
+    self._placement = self._shardings(params, rules)
+    self.params = self._place(params)
+    self._n_stop = 4
+    cache = kv_cache.init_cache(cfg, num_blocks * block_size, with_mtp=speculative)
+    self._cache = jax.device_put(cache, self._placement["cache"](cache))
+    h_last = jnp.zeros((max_batch, cfg.hidden_size), cfg.dtype)
+    self._h_last = jax.device_put(h_last, self._placement["rows"])
+    self._slots: list[_Request | None] = [None] * max_batch
+    self._waiting: collections.deque[_Request] = collections.deque()
+    self._requests: dict[int, _Request] = {}
+    self._sessions: dict[str, _Session] = {}
+    self._undelivered: list[GenerationOutput] = []
+    self._ids = itertools.count()
+    self._session_ids = itertools.count()
+    self._clock = itertools.count()
+    self.stats = collections.Counter()
     self.last_stats: dict = {}
+    bs = block_size
+    def prefill(params, cache, h_last, lanes, table, tokens, start, n_valid, h_valid, packed):
+      cache, h, out = steps.prefill(cfg, bs, speculative, params, cache,
+                                    jnp.take(h_last, lanes, axis=0, mode="clip"), table, tokens,
+                                    start, n_valid, h_valid, steps.unpack_state(packed))
+      return cache, h_last.at[lanes].set(h, mode="drop"), out
 
-    def init_cache():
-      layers = [forward.init_layer_cache(cfg, max_batch, max_len, cfg.indexer_type(i) == "full")
-                for i in range(cfg.num_hidden_layers)]
-      mtp = forward.init_layer_cache(cfg, max_batch, max_len, True) if speculative else None
-      return {"layers": layers, "mtp": mtp}
-    self._cache = jax.jit(init_cache)()
-    self._h_last = jnp.zeros((max_batch, cfg.hidden_size), cfg.dtype)
-    self._jitted = {}
-    self._first = jax.jit(steps.first_token)
+    def decode(params, cache, table, packed):
+      cache, st, out = steps.decode(cfg, bs, steps_per_sync, params, cache, table,
+                                    steps.unpack_state(packed))
+      return cache, {"pos": st["pos"], "active": st["active"]}, out
 
-  def _fns(self, form: str):
-    """(prefill, decode, speculative round) jitted for one attention form, built once."""
-    if form not in self._jitted:
-      cfg = self.cfg
-      self._jitted[form] = (
-          jax.jit(functools.partial(steps.prefill, cfg, form, self.speculative),
-                  donate_argnums=(1,)),
-          jax.jit(functools.partial(steps.decode, cfg, form, self.steps_per_sync),
-                  donate_argnums=(1,)),
-          jax.jit(functools.partial(steps.speculative_round, cfg, form, self.num_draft),
-                  donate_argnums=(1,)))
-    return self._jitted[form]
+    self._prefill = jax.jit(prefill, donate_argnums=(1, 2))
+    self._decode = jax.jit(decode, donate_argnums=(1,))
+
+    def spec_rounds(params, cache, h_all, lanes, table, packed):
+      st = steps.unpack_state(packed)
+      h_last = jnp.take(h_all, lanes, axis=0, mode="clip")
+      def body(carry, _):
+        cache, fold, st = carry
+        cache, fold, st, out = steps.speculative_round(cfg, bs, num_draft, params, cache,
+                                                       fold, table, st)
+        return (cache, fold, st), out
+      fold = steps.init_fold(st, h_last, num_draft)
+      (cache, fold, st), outs = jax.lax.scan(body, (cache, fold, st), None,
+                                             length=rounds_per_sync)
+      cache, h_last = steps.finish_fold(cfg, bs, params, cache, fold, table, st)
+      h_all = h_all.at[lanes].set(h_last, mode="drop")
+      return cache, h_all, {"pos": st["pos"], "active": st["active"]}, outs
+    self._spec = jax.jit(spec_rounds, donate_argnums=(1, 2))
+    self._set_h = jax.jit(lambda h, i, row: h.at[i].set(row.astype(h.dtype)),
+                          donate_argnums=(0,))
+
+  def _shardings(self, params, rules):
+    """Where parameters, cache and per-slot rows live (one placement: no recompiles)."""
+    if self.mesh is None:
+      dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+      return {"params": jax.tree.map(lambda _: dev, params), "rows": dev,
+              "cache": lambda c: jax.tree.map(lambda _: dev, c)}
+    shapes, specs = gnn.abstract_params(self.cfg)
+    param_sh = shd.param_shardings(specs, self.mesh, shd.rules_from_config(rules))
+    shd.check_divisible(shapes, param_sh, self.mesh)
+    axes = tuple(a for a in shd.BATCH_AXES if self.mesh.shape.get(a, 1) > 1) or None
+    rows = NamedSharding(self.mesh, P(axes))
+    pool = lambda x: NamedSharding(self.mesh, P(*([None] * (x.ndim - 2)), axes, None))
+    return {"params": param_sh, "rows": rows, "cache": lambda c: jax.tree.map(pool, c)}
+
+  def _place(self, params):
+    """Commits the parameters to the engine's placement."""
+    return jax.device_put(params, self._placement["params"])
+
+  def _mesh_scope(self):
+    return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+  def _shard_of(self, slot: int) -> int:
+    return slot // (self.max_batch // self._n_shards)
+
+  # ------------------------------------------------------------------ weights
+  def update_params(self, params, version: int) -> None:
+    """Serves `params` (same tree, shapes and dtypes) from the next step on; see the module
+    docstring. Running requests and sessions are prefilled again under the new weights."""
+    want = jax.tree_util.tree_structure(self.params)
+    if jax.tree_util.tree_structure(params) != want:
+      raise ValueError("update_params: the parameter tree's structure differs from the "
+                       "engine's (a different config?)")
+    for (path, new), old in zip(jax.tree_util.tree_leaves_with_path(params),
+                                jax.tree_util.tree_leaves(self.params)):
+      if new.shape != old.shape or new.dtype != old.dtype:
+        raise ValueError(f"update_params: {jax.tree_util.keystr(path)} is {new.dtype}"
+                         f"{list(new.shape)}, the engine's is {old.dtype}{list(old.shape)}")
+    self.params = self._place(params)
+    self.version = version
+    running = sorted((r for r in self._slots if r is not None), key=lambda r: r.rid)
+    for r in running:
+      self._slots[r.slot] = None
+      r.slot = None
+    self._waiting.extendleft(reversed(running))
+    for r in self._waiting:
+      r.blocks, r.cache_len, r.h_valid = [], 0, False
+    for s in self._sessions.values():
+      s.blocks, s.cache_len, s.h_last = [], 0, None
+    for pool in self._pools:
+      pool.reset()
 
   # ------------------------------------------------------------------ sessions
   def new_session(self) -> str:
-    """Reserves a cache slot for a multi-turn conversation; returns its id."""
-    free = self._free_slots()
-    if not free:
-      raise ValueError(f"new_session: all max_batch={self.max_batch} cache slots are in use "
-                       f"({len(self._sessions)} by sessions); end a session first")
-    sid = f"session-{next(self._session_counter)}"
-    self._slots[free[0]] = _Slot([], 0, sid)
-    self._sessions[sid] = free[0]
+    """Opens a multi-turn conversation (its cache blocks persist between turns)."""
+    sid = f"session-{next(self._session_ids)}"
+    self._sessions[sid] = _Session(sid, last_used=next(self._clock))
     return sid
 
   def end_session(self, session_id: str) -> None:
-    """Frees the session's slot."""
-    slot = self._session_slot(session_id)
-    self._slots[slot] = None
+    """Frees the session's blocks."""
+    s = self._session(session_id)
+    if s.busy:
+      raise ValueError(f"end_session({session_id!r}): a turn is in flight; cancel it first")
+    self._pools[s.shard].release(s.blocks)
     del self._sessions[session_id]
 
   def session_tokens(self, session_id: str) -> list:
     """The session's conversation so far: every prompt and generated token, in order."""
-    return list(self._slots[self._session_slot(session_id)].tokens)
+    return list(self._session(session_id).tokens)
 
-  def _session_slot(self, session_id) -> int:
+  def _session(self, session_id) -> _Session:
     if session_id not in self._sessions:
       raise ValueError(f"session_id={session_id!r} is unknown; open sessions: "
                        f"{sorted(self._sessions)}")
     return self._sessions[session_id]
 
-  def _free_slots(self):
-    return [i for i, s in enumerate(self._slots) if s is None]
-
-  # ------------------------------------------------------------------ generate
-  def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[
-      SamplingParams] = SamplingParams(), *, session_id=None, record_topk: bool = False,
-               attention_form: str | None = None) -> list[GenerationOutput]:
-    """Generates a continuation for each prompt (token ids in, token ids out).
+  # ------------------------------------------------------------------ requests
+  def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(), *,
+             n: int = 1, session_id: str | None = None, record_topk: bool = False,
+             stream: int = 0) -> list[int]:
+    """Queues a request (n copies of it); returns their request ids.
 
     Args:
-      prompts: token-id lists, one per request.
-      sampling: one SamplingParams for all requests or one per request.
-      session_id: None, one id (one prompt), or one id (or None) per prompt;
-        a session's prompt is appended to its cached conversation.
+      prompt_ids: token ids; with a session, appended to its conversation.
+      sampling: SamplingParams.
+      n: copies (e.g. a GRPO group): they share the prompt's cache blocks and sample
+        streams stream .. stream + n - 1 of the seed.
+      session_id: a session from `new_session` (n must be 1), or None.
       record_topk: also return each layer's DSA top-k per processed position.
-      attention_form: override the engine's form for this call ("absorbed" |
-        "expanded"; the cache is the same for both).
+      stream: the first sampling stream (requests with equal seed and stream sample alike).
+    """
+    prompt = list(prompt_ids)
+    if not isinstance(sampling, SamplingParams):
+      raise ValueError(f"sampling: expected a SamplingParams, got {sampling!r}")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+      raise ValueError(f"submit: n={n!r}, expected an int >= 1")
+    session = None
+    if session_id is not None:
+      session = self._session(session_id)
+      if n != 1:
+        raise ValueError(f"submit: n={n} with session_id={session_id!r}; a session has one "
+                         "conversation, expected n=1")
+      if session.busy:
+        raise ValueError(f"session_id={session_id!r} has a turn in flight; wait for it or "
+                         "cancel it")
+    conv = list(session.tokens) if session else []
+    self._check_prompt(prompt, conv)
+    total = len(conv) + len(prompt)
+    budget = min(sampling.max_new_tokens, self.max_len - total + 1)
+    need = self._pools[0].blocks_for(total + budget - 1)
+    if need > self._pools[0].num_blocks:
+      raise ValueError(f"submit: {total} prompt tokens + {budget - 1} more rows need {need} "
+                       f"blocks; the whole cache has num_blocks={self.num_blocks} of "
+                       f"block_size={self.block_size}"
+                       + (f" in {self._n_shards} shards" if self._n_shards > 1 else ""))
+    self._n_stop = max(self._n_stop, _pow2(len(sampling.stop_token_ids)))
+    ids = []
+    for j in range(n):
+      rid = next(self._ids)
+      r = _Request(rid, stream + j, sampling, session, record_topk, conv + prompt, total,
+                   budget, leader=ids[0] if ids else None,
+                   topk={} if record_topk else None)
+      self._requests[rid] = r
+      self._waiting.append(r)
+      ids.append(rid)
+    if session:
+      session.busy = True
+    return ids
+
+  def _check_prompt(self, prompt, conv):
+    v = self.cfg.vocab_size
+    if not prompt and not conv:
+      raise ValueError("prompt is empty: expected at least one token id")
+    if any((not isinstance(t, (int, np.integer))) or t < 0 or t >= v for t in prompt):
+      raise ValueError(f"prompt: token ids must be ints in [0, vocab_size={v})")
+    if len(conv) + len(prompt) > self.max_len:
+      raise ValueError(f"prompt: {len(prompt)} tokens" + (f" after {len(conv)} session tokens"
+                       if conv else "") + f" do not fit the cache (Engine max_len="
+                       f"{self.max_len})")
+
+  def cancel(self, request_id: int) -> None:
+    """Drops a waiting or running request; its blocks are released (a session keeps its
+    conversation as it was before this turn)."""
+    if request_id not in self._requests:
+      raise ValueError(f"cancel: request_id={request_id!r} is unknown or already finished")
+    r = self._requests.pop(request_id)
+    if r.slot is not None:
+      self._slots[r.slot] = None
+    else:
+      self._waiting.remove(r)
+    if r.session is not None:
+      s = r.session
+      s.busy = False
+      if r.blocks:                            # rows before the turn are unchanged
+        s.blocks, s.cache_len = r.blocks, min(r.cache_len, len(s.tokens) - 1)
+        s.h_last = None
+      s.cache_len = min(s.cache_len, max(len(s.tokens) - 1, 0))
+      s.shard = r.shard if r.blocks else s.shard
+    else:
+      self._pools[r.shard].release(r.blocks)
+
+  @property
+  def num_unfinished(self) -> int:
+    """Requests submitted and not yet returned by `step` (waiting or running)."""
+    return len(self._requests)
+
+  @property
+  def running(self) -> list[int]:
+    """Ids of the requests that hold a slot now."""
+    return [r.rid for r in self._slots if r is not None]
+
+  def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[
+      SamplingParams] = SamplingParams(), *, session_id=None,
+               record_topk: bool = False) -> list[GenerationOutput]:
+    """Submits every prompt and steps until they finish (token ids in, token ids out).
+
+    Args:
+      prompts: token-id lists, one per request (prompt i samples stream i of its seed).
+      sampling: one SamplingParams for all requests or one per request.
+      session_id: None, one id (one prompt), or one id (or None) per prompt.
+      record_topk: also return each layer's DSA top-k per processed position.
 
     Returns:
-      One GenerationOutput per prompt, in order.
+      One GenerationOutput per prompt, in order. Other requests' outputs that finish
+      meanwhile are returned by the next `step()`.
     """
-    form = attention_form or self.attention_form
-    if form not in forward.ATTENTION_FORMS:
-      raise ValueError(f"attention_form={form!r}: expected one of {forward.ATTENTION_FORMS}")
     prompts = [list(p) for p in prompts]
-    sps = self._check_sampling(sampling, len(prompts))
+    if not prompts:
+      raise ValueError("prompts: expected at least one prompt")
+    sps = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+    if len(sps) != len(prompts) or not all(isinstance(s, SamplingParams) for s in sps):
+      raise ValueError(f"sampling: expected one SamplingParams or a list of {len(prompts)}, "
+                       f"got {sampling!r}")
     sids = self._check_sessions(session_id, len(prompts))
-    rows = self._check_and_assign(prompts, sids)        # raises before any state change
-    try:
-      return self._run(prompts, sps, sids, rows, record_topk, self._fns(form))
-    finally:
-      for r, sid in zip(rows, sids):
-        if sid is None:
-          self._slots[r] = None
+    for i, (p, sid) in enumerate(zip(prompts, sids)):     # all checked before any is queued
+      try:
+        self._check_prompt(p, self._sessions[sid].tokens if sid else [])
+      except ValueError as e:
+        raise ValueError(f"prompts[{i}]: {e}") from None
+    t0, before = time.perf_counter(), dict(self.stats)
+    ids = [self.submit(p, sp, session_id=sid, record_topk=record_topk, stream=i)[0]
+           for i, (p, sp, sid) in enumerate(zip(prompts, sps, sids))]
+    outs = self.wait(ids)
+    self.last_stats = {k: self.stats[k] - before.get(k, 0) for k in self.stats}
+    self.last_stats["wall_s"] = time.perf_counter() - t0
+    return outs
 
-  def _check_sampling(self, sampling, n):
-    sps = [sampling] * n if isinstance(sampling, SamplingParams) else list(sampling)
-    if len(sps) != n or not all(isinstance(s, SamplingParams) for s in sps):
-      raise ValueError(f"sampling: expected one SamplingParams or a list of {n}, got {sampling!r}")
-    return sps
+  def wait(self, request_ids: Sequence[int]) -> list[GenerationOutput]:
+    """Steps until the given requests finish; returns their outputs in order. Other
+    requests' outputs that finish meanwhile are returned by the next `step()`."""
+    unknown = [i for i in request_ids if i not in self._requests
+               and all(o.request_id != i for o in self._undelivered)]
+    if unknown:
+      raise ValueError(f"wait: request ids {unknown} are unknown or already returned")
+    want, got = set(request_ids), {}
+    while want - set(got):
+      for out in self.step():
+        if out.request_id in want:
+          got[out.request_id] = out
+        else:
+          self._undelivered.append(out)
+    return [got[i] for i in request_ids]
 
   def _check_sessions(self, session_id, n):
     if session_id is None or isinstance(session_id, str):
@@ -235,150 +516,268 @@ class Engine:
     if len(set(named)) != len(named):
       raise ValueError(f"session_id: a session appears twice in one call: {named}")
     for s in named:
-      self._session_slot(s)
+      if self._session(s).busy:
+        raise ValueError(f"session_id={s!r} has a turn in flight")
     return sids
 
-  def _check_and_assign(self, prompts, sids):
-    if not prompts:
-      raise ValueError("prompts: expected at least one prompt")
-    v = self.cfg.vocab_size
-    for i, (p, sid) in enumerate(zip(prompts, sids)):
-      prefix = 0 if sid is None else len(self._slots[self._sessions[sid]].tokens)
-      if not p and prefix == 0:
-        raise ValueError(f"prompts[{i}] is empty: expected at least one token id")
-      if any((not isinstance(t, (int, np.integer))) or t < 0 or t >= v for t in p):
-        raise ValueError(f"prompts[{i}]: token ids must be ints in [0, vocab_size={v})")
-      if prefix + len(p) > self.max_len:
-        raise ValueError(f"prompts[{i}]: {len(p)} tokens" + (f" after {prefix} session tokens"
-                         if prefix else "") + f" do not fit the cache (Engine max_len="
-                         f"{self.max_len})")
-    free = self._free_slots()
-    need = sum(s is None for s in sids)
-    if need > len(free):
-      raise ValueError(f"batch of {need} new requests needs {need} free cache slots; "
-                       f"max_batch={self.max_batch}, {len(free)} free ({len(self._sessions)} "
-                       "held by sessions)")
-    rows, it = [], iter(free)
-    for sid in sids:
-      if sid is None:
-        r = next(it)
-        self._slots[r] = _Slot([], 0, None)
-      else:
-        r = self._sessions[sid]
-      rows.append(r)
-    return rows
+  # ------------------------------------------------------------------ scheduling
+  def step(self) -> list[GenerationOutput]:
+    """One scheduling step (module docstring). Returns the requests that finished."""
+    done, self._undelivered = self._undelivered, []
+    self._admit()
+    if any(r is not None and r.cache_len < r.feed_end for r in self._slots):
+      self._prefill_step()
+    if any(r is not None and r.active and r.sampled and r.cache_len == r.feed_end
+           for r in self._slots):
+      self._decode_step()
+    for r in list(self._slots):
+      if r is not None and not r.active:
+        done.append(self._finish(r))
+    return done
 
-  def _state(self, sps, rows, feeds):
-    """Host-built decode state (steps.py) for the participating rows."""
-    b = self.max_batch
-    n_stop = max([1] + [len(s.stop_token_ids) for s in sps])
-    n_stop = 1 << (n_stop - 1).bit_length()              # bucket: few recompiles
+  def _admit(self):
+    if self.scheduling == "static" and any(r is not None for r in self._slots):
+      return
+    deferred = []
+    lookahead = self._pools[0].lookahead
+    while self._waiting and None in self._slots:
+      r = self._waiting[0]
+      leader = self._requests.get(r.leader) if r.leader is not None else None
+      if (leader is not None and not leader.prefilled
+          and r.feed_end > self.block_size + lookahead):
+        deferred.append(self._waiting.popleft())        # shares the leader's prompt blocks
+        continue
+      slot = self._pick_slot(r, leader)
+      if slot is None or not self._reserve(r, self._shard_of(slot)):
+        break
+      self._waiting.popleft()
+      r.slot = slot
+      self._slots[slot] = r
+      if r.h_valid and r.session is not None and self.speculative and r.session.h_last is not None:
+        with self._mesh_scope():
+          self._h_last = self._set_h(self._h_last, slot, r.session.h_last)
+        r.session.h_last = None
+    self._waiting.extendleft(reversed(deferred))
+
+  def _pick_slot(self, r: _Request, leader):
+    """A free slot for r: on the shard that holds its blocks (its own, its session's, its
+    group leader's), else on the shard with the most available blocks."""
+    free = [i for i, x in enumerate(self._slots) if x is None]
+    held = r.shard if r.blocks else (r.session.shard if r.session and r.session.blocks
+                                     else (leader.shard if leader is not None
+                                           and leader.blocks else None))
+    if held is not None:
+      free = [i for i in free if self._shard_of(i) == held] or ([] if r.blocks else free)
+    if not free:
+      return None
+    return max(free, key=lambda i: (self._pools[self._shard_of(i)].num_available, -i))
+
+  def _reserve(self, r: _Request, shard: int) -> bool:
+    """Gives r the blocks (of `shard`) for its prompt and budget, shared prefix first.
+    False: not now."""
+    pool = self._pools[shard]
+    if r.session is not None and r.session.blocks and not r.blocks:
+      s = r.session
+      if s.shard == shard:
+        r.blocks, r.cache_len = s.blocks, s.cache_len
+        r.h_valid = not self.speculative or s.h_last is not None
+        if not r.h_valid:                      # MTP row cache_len - 1 needs h: recompute it
+          r.cache_len = max(r.cache_len - 1, 0)
+      else:                                    # its shard is full: prefill it again here
+        self._pools[s.shard].release(s.blocks)
+      s.blocks, s.cache_len = [], 0
+      r.cached_prompt = r.cache_len
+    if not r.blocks:
+      max_shared = (r.feed_end - 1) // self.block_size         # keep a token to prefill
+      r.blocks = pool.lookup(r.tokens, self.version, max_shared)
+      r.cache_len = len(r.blocks) * self.block_size
+      r.cached_prompt, r.h_valid = r.cache_len, False
+    r.shard = shard
+    rows = len(r.tokens) + (r.budget - len(r.gen)) - 1
+    fresh = self._allocate(pool.blocks_for(rows) - len(r.blocks), r.session, shard)
+    if fresh is None:
+      return False
+    r.blocks = r.blocks + fresh
+    return True
+
+  def _allocate(self, n, keep, shard):
+    """n blocks of `shard`, evicting its idle sessions least recently used first if needed."""
+    pool = self._pools[shard]
+    fresh = pool.allocate(max(n, 0))
+    idle = sorted((s for s in self._sessions.values() if s is not keep and not s.busy
+                   and s.blocks and s.shard == shard), key=lambda s: s.last_used)
+    while fresh is None and idle:
+      s = idle.pop(0)
+      pool.release(s.blocks)
+      s.blocks, s.cache_len, s.h_last = [], 0, None
+      self.stats["sessions_evicted"] += 1
+      fresh = pool.allocate(max(n, 0))
+    return fresh
+
+  def _lanes(self, rows):
+    """The slot of each lane (batch row) of a device call over `rows`: the participating
+    slots packed into a power-of-two batch, so that idle slots cost nothing (padding lanes:
+    slot max_batch). Under a mesh lane i is slot i (a slot's blocks live on its shard)."""
+    if self._n_shards > 1:
+      return [b if b in rows else self.max_batch for b in range(self.max_batch)]
+    return rows + [self.max_batch] * (min(_pow2(len(rows)), self.max_batch) - len(rows))
+
+  def _live(self, lanes):
+    return [(i, b) for i, b in enumerate(lanes) if b < self.max_batch]
+
+  def _table(self, lanes, horizon: int):
+    """Block tables [lanes, m], m the power-of-two bucket of the blocks that rows
+    0 .. horizon - 1 span (at least `horizon` rows: the call's queries)."""
+    m = _pow2(self._pools[0].blocks_for(horizon))
+    table = np.full((len(lanes), m), self.num_blocks, np.int32)
+    for i, b in self._live(lanes):
+      blocks = self._slots[b].blocks[:m]
+      table[i, :len(blocks)] = blocks
+    return table
+
+  def _state(self, lanes):
+    """Host-built decode state (steps.py) of each lane."""
+    b = len(lanes)
     st = {"tok": np.zeros(b, np.int32), "pos": np.zeros(b, np.int32),
           "active": np.zeros(b, bool), "n_gen": np.zeros(b, np.int32),
           "budget": np.zeros(b, np.int32), "seed": np.zeros(b, np.int32),
           "req": np.zeros(b, np.int32), "temp": np.zeros(b, np.float32),
           "top_k": np.zeros(b, np.int32), "top_p": np.ones(b, np.float32),
-          "stop": np.full((b, n_stop), -1, np.int32)}
-    for i, (r, sp) in enumerate(zip(rows, sps)):
-      slot = self._slots[r]
-      total = slot.cache_len + len(feeds[i])
-      st["pos"][r] = total
-      st["active"][r] = True
-      st["budget"][r] = min(sp.max_new_tokens, self.max_len - total + 1)
-      st["seed"][r], st["req"][r] = sp.seed, i
-      st["temp"][r], st["top_k"][r], st["top_p"][r] = sp.temperature, sp.top_k, sp.top_p
-      st["stop"][r, :len(sp.stop_token_ids)] = sp.stop_token_ids
-    return {k: jnp.asarray(v) for k, v in st.items()}
+          "stop": np.full((b, self._n_stop), -1, np.int32)}
+    for i, slot in self._live(lanes):
+      r = self._slots[slot]
+      sp = r.sampling
+      st["tok"][i] = r.tokens[-1]
+      st["pos"][i] = len(r.tokens) - 1 if r.sampled else len(r.tokens)
+      st["active"][i] = r.active
+      st["n_gen"][i], st["budget"][i] = len(r.gen), r.budget
+      st["seed"][i], st["req"][i] = sp.seed, r.stream
+      st["temp"][i], st["top_k"][i], st["top_p"][i] = sp.temperature, sp.top_k, sp.top_p
+      st["stop"][i, :len(sp.stop_token_ids)] = sp.stop_token_ids
+    return st
 
-  def _run(self, prompts, sps, sids, rows, record_topk, fns):
-    prefill_fn, decode_fn, spec_fn = fns
+  def _emit(self, r: _Request, tok: int, lp: float, pos: int, topk_lk=None):
+    """Accounts one generated token of r (sampled for position pos + 1)."""
+    r.gen.append(tok)
+    r.lps.append(lp)
+    r.versions.append(self.version)
+    r.tokens.append(tok)
+    r.sampled = True
+    if r.topk is not None and topk_lk is not None:
+      r.topk[pos] = topk_lk
+    self.stats["generated_tokens"] += 1
+    if tok in r.sampling.stop_token_ids or len(r.gen) >= r.budget:
+      r.active = False
+
+  def _prefill_step(self):
     t0 = time.perf_counter()
-    feeds = []
-    for r, p in zip(rows, prompts):
-      slot = self._slots[r]
-      feeds.append(slot.tokens[slot.cache_len:] + p)
-    starts = [self._slots[r].cache_len for r in rows]
-    topk = [dict() if record_topk else None for _ in rows]
-    last_logits = self._prefill_all(prefill_fn, rows, feeds, starts, topk)
-    st = self._state(sps, rows, feeds)
-    st, tok, lp, _ = self._first(last_logits, st)
-    jax.block_until_ready(tok)
-    t1 = time.perf_counter()
-    gen = [[int(tok[r])] for r in rows]
-    lps = [[float(lp[r])] for r in rows]
-    rounds, accepted = [0] * len(rows), [0] * len(rows)
-    active = np.asarray(st["active"])
-    while active.any():
-      if self.speculative:
-        self._cache, self._h_last, st, out = spec_fn(self.params, self._cache, self._h_last, st)
-        out = jax.device_get(out)
-        for i, r in enumerate(rows):
-          e = int(out["n_emit"][r])
-          if e:
-            gen[i] += out["tok"][r, :e].tolist()
-            lps[i] += out["logprob"][r, :e].tolist()
-            rounds[i] += 1
-            accepted[i] += int(min(out["n_accepted"][r], e))
-            if topk[i] is not None and out["topk"] is not None:
-              for j in range(e):
-                topk[i][int(out["pos"][r]) + j] = out["topk"][:, r, j]
-      else:
-        self._cache, st, out = decode_fn(self.params, self._cache, st)
-        out = jax.device_get(out)
-        for i, r in enumerate(rows):
-          emitted = out["emit"][:, r] > 0
-          gen[i] += out["tok"][emitted, r].tolist()
-          lps[i] += out["logprob"][emitted, r].tolist()
-          if topk[i] is not None and out["topk"] is not None:
-            for s in np.nonzero(emitted)[0]:
-              topk[i][int(out["pos"][s, r])] = out["topk"][s, :, r]
-      active = np.asarray(st["active"])
-    t2 = time.perf_counter()
+    rows = [b for b, r in enumerate(self._slots) if r is not None and r.cache_len < r.feed_end]
+    lanes = self._lanes(rows)
+    longest = max(self._slots[b].feed_end - self._slots[b].cache_len for b in rows)
+    t = next(x for x in self._buckets if x >= min(longest, self.prefill_chunk))
+    table = self._table(lanes, max([t] + [self._slots[b].cache_len + t for b in rows]))
+    n = len(lanes)
+    tokens = np.zeros((n, t), np.int32)
+    start, n_valid = np.zeros(n, np.int32), np.zeros(n, np.int32)
+    h_valid = np.zeros(n, bool)
+    for i, b in self._live(lanes):
+      r = self._slots[b]
+      piece = r.tokens[r.cache_len:min(r.cache_len + t, r.feed_end)]
+      tokens[i, :len(piece)] = piece
+      start[i], n_valid[i], h_valid[i] = r.cache_len, len(piece), r.h_valid
+    st = steps.pack_state(self._state(lanes))
+    with self._mesh_scope():
+      self._cache, self._h_last, out = self._prefill(
+          self.params, self._cache, self._h_last, np.asarray(lanes, np.int32), table, tokens,
+          start, n_valid, h_valid, st)
+    out = jax.device_get(out)
+    for i, b in self._live(lanes):
+      r = self._slots[b]
+      r.cache_len += int(n_valid[i])
+      r.h_valid = True
+      if r.topk is not None and out["topk"] is not None:
+        for j in range(n_valid[i]):
+          r.topk[int(start[i]) + j] = out["topk"][:, i, j]
+      if r.cache_len == r.feed_end and not r.prefilled:
+        r.prefilled = True
+        pool = self._pools[r.shard]
+        pool.register(r.tokens, r.blocks, self.version, r.cache_len - pool.lookahead)
+      if r.cache_len == r.feed_end and not r.sampled:
+        self._emit(r, int(out["tok"][i]), float(out["logprob"][i]), r.cache_len - 1)
+    self.stats["prefill_tokens"] += int(n_valid.sum())
+    self.stats["prefill_calls"] += 1
+    self.stats["prefill_s"] += time.perf_counter() - t0
 
-    outs = []
-    for i, (r, sp, sid) in enumerate(zip(rows, sps, sids)):
-      slot = self._slots[r]
-      slot.tokens = slot.tokens + prompts[i] + gen[i]
-      slot.cache_len = len(slot.tokens) - 1
-      if gen[i][-1] in sp.stop_token_ids:
-        reason = "stop"
-      elif len(gen[i]) >= sp.max_new_tokens:
-        reason = "length"
-      else:
-        reason = "cache_full"
-      outs.append(GenerationOutput(gen[i], lps[i], reason, sid, rounds[i], accepted[i], topk[i]))
-    n_tok = sum(len(g) for g in gen)
-    self.last_stats = {"prefill_s": t1 - t0, "decode_s": t2 - t1,
-                       "prefill_tokens": sum(len(f) for f in feeds), "generated_tokens": n_tok,
-                       "decode_tokens_per_s": (n_tok - len(rows)) / max(t2 - t1, 1e-9),
-                       "rounds": sum(rounds), "accepted": sum(accepted)}
-    return outs
+  def _decode_step(self):
+    t0 = time.perf_counter()
+    rows = [b for b, r in enumerate(self._slots)
+            if r is not None and r.active and r.sampled and r.cache_len == r.feed_end]
+    lanes = self._lanes(rows)
+    live = self._live(lanes)
+    ahead = self.rounds_per_sync * (self.num_draft + 1) if self.speculative else self.steps_per_sync
+    table = self._table(lanes, max(self._slots[b].cache_len + ahead for b in rows))
+    st = steps.pack_state(self._state(lanes))
+    if self.speculative:
+      with self._mesh_scope():
+        self._cache, self._h_last, st, out = self._spec(
+            self.params, self._cache, self._h_last, np.asarray(lanes, np.int32), table, st)
+      out, st = jax.device_get((out, st))
+      for k in range(self.rounds_per_sync):
+        for i, b in live:
+          r, e = self._slots[b], int(out["n_emit"][k, i])
+          if not e:
+            continue
+          r.rounds += 1
+          r.accepted += int(min(out["n_accepted"][k, i], e))
+          for j in range(e):
+            topk = None if out["topk"] is None else out["topk"][k, :, i, j]
+            self._emit(r, int(out["tok"][k, i, j]), float(out["logprob"][k, i, j]),
+                       int(out["pos"][k, i]) + j, topk)
+          self.stats["rounds"] += 1
+          self.stats["decode_slot_steps"] += 1
+      self.stats["decode_steps"] += self.rounds_per_sync
+    else:
+      with self._mesh_scope():
+        self._cache, st, out = self._decode(self.params, self._cache, table, st)
+      out, st = jax.device_get((out, st))
+      for s in range(self.steps_per_sync):
+        for i, b in live:
+          if out["emit"][s, i]:
+            topk = None if out["topk"] is None else out["topk"][s, :, i]
+            self._emit(self._slots[b], int(out["tok"][s, i]), float(out["logprob"][s, i]),
+                       int(out["pos"][s, i]), topk)
+      self.stats["decode_slot_steps"] += int(out["emit"].sum())
+      self.stats["decode_steps"] += self.steps_per_sync
+    for i, b in live:
+      r = self._slots[b]
+      r.cache_len = int(st["pos"][i])
+      r.active = bool(st["active"][i]) and r.active
+    self.stats["decode_calls"] += 1
+    self.stats["decode_s"] += time.perf_counter() - t0
 
-  def _prefill_all(self, prefill_fn, rows, feeds, starts, topk):
-    """Chunked prefill of every participating row. Returns last logits [b, V]."""
-    b = self.max_batch
-    done = [0] * len(rows)
-    last_logits = jnp.zeros((b, self.cfg.vocab_size), jnp.float32)
-    while any(d < len(f) for d, f in zip(done, feeds)):
-      longest = max(len(f) - d for d, f in zip(done, feeds))
-      t = next(x for x in self._buckets if x >= min(longest, self.prefill_chunk))
-      tokens = np.zeros((b, t), np.int32)
-      start = np.zeros(b, np.int32)
-      n_valid = np.zeros(b, np.int32)
-      for i, r in enumerate(rows):
-        piece = feeds[i][done[i]:done[i] + t]
-        tokens[r, :len(piece)] = piece
-        start[r], n_valid[r] = starts[i] + done[i], len(piece)
-      self._cache, self._h_last, logits, idx = prefill_fn(
-          self.params, self._cache, self._h_last, jnp.asarray(tokens), jnp.asarray(start),
-          jnp.asarray(n_valid))
-      last_logits = jnp.where(jnp.asarray(n_valid > 0)[:, None], logits, last_logits)
-      if idx is not None and any(t_ is not None for t_ in topk):
-        idx = np.asarray(idx)
-        for i, r in enumerate(rows):
-          if topk[i] is not None:
-            for j in range(n_valid[r]):
-              topk[i][int(start[r]) + j] = idx[:, r, j]
-      for i, r in enumerate(rows):
-        done[i] += int(n_valid[r])
-    return last_logits
+  def _finish(self, r: _Request) -> GenerationOutput:
+    self._slots[r.slot] = None
+    del self._requests[r.rid]
+    sp = r.sampling
+    if r.gen and r.gen[-1] in sp.stop_token_ids:
+      reason = "stop"
+    elif len(r.gen) >= sp.max_new_tokens:
+      reason = "length"
+    else:
+      reason = "cache_full"
+    if r.session is not None:
+      s = r.session
+      s.tokens, s.blocks, s.cache_len, s.shard = list(r.tokens), r.blocks, r.cache_len, r.shard
+      s.h_last = (np.asarray(jax.device_get(self._h_last[r.slot])) if self.speculative
+                  else None)
+      s.busy, s.last_used = False, next(self._clock)
+    else:
+      self._pools[r.shard].release(r.blocks)
+    return GenerationOutput(r.rid, r.gen, r.lps, r.versions, reason,
+                            None if r.session is None else r.session.sid, r.rounds, r.accepted,
+                            r.topk, r.cached_prompt)
+
+  @property
+  def slot_utilisation(self) -> float:
+    """Decoding slot-steps used / offered so far (max_batch per decode step)."""
+    return self.stats["decode_slot_steps"] / max(self.stats["decode_steps"] * self.max_batch, 1)

@@ -105,9 +105,18 @@ def _top_k_top_p_mask(scaled_bv, top_k_b, top_p_b):
   return jnp.zeros_like(keep).at[rows, order_bv].set(keep)
 
 
-def sample(keys_b, logq_bv):
-  """One token per row from log q (a greedy row's q is one-hot). int32 [b]."""
-  return jax.vmap(jax.random.categorical)(keys_b, logq_bv).astype(jnp.int32)
+def sample(keys_b, logq_bv, greedy_b=None):
+  """One token per row from log q (a greedy row's q is one-hot). int32 [b].
+
+  greedy_b: optional bool [b], the rows with temperature 0; when every row is greedy the
+  random draw (Gumbel noise over the whole vocabulary) is skipped for the argmax, which
+  is the same token.
+  """
+  draw = lambda: jax.vmap(jax.random.categorical)(keys_b, logq_bv).astype(jnp.int32)
+  if greedy_b is None:
+    return draw()
+  return jax.lax.cond(jnp.all(greedy_b), lambda: jnp.argmax(logq_bv, -1).astype(jnp.int32),
+                      draw)
 
 
 def row_keys(seed_b, request_b, counter_b):

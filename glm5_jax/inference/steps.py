@@ -1,35 +1,94 @@
-"""The engine's device steps (pure functions; the Engine jits them).
+"""The engine's device steps: pure functions over the trainer's own model (the Engine jits them).
 
-Decode state `st` (a dict of arrays, one row per cache slot b):
+Every step runs `GLM5(cfg).apply(..., cache=, cache_index=)` (nn/model.py), the forward
+pass the trainer differentiates, over the paged KV pool (nn/kv_cache.py); nothing here
+re-implements a layer. A step sees all `max_batch` slots; each slot brings its block
+table (int32 [b, m], pool blocks of logical blocks 0 .. m-1, `num_blocks` = not held) and
+rows with n_valid = 0 are inert (nothing written, outputs ignored).
+
+Decode state `st` (a dict of arrays, one row per slot b):
     tok     int32 [b]  the pending token: sampled, not yet in the cache
     pos     int32 [b]  its position = number of cached rows
     active  bool  [b]  still generating
-    n_gen   int32 [b]  tokens generated so far in this call
-    budget  int32 [b]  max tokens for this call (max_new_tokens, capped by the cache)
+    n_gen   int32 [b]  tokens generated so far by this request
+    budget  int32 [b]  max tokens for this request (max_new_tokens, capped by the cache)
     seed, req int32 [b];  temp, top_p f32 [b];  top_k int32 [b];  stop int32 [b, n_stop] (-1 pad)
 
-MTP speculative round (spec §2.7; design.md decision 8; DeepSeek-V3 §2.2 and
-vLLM's MTP proposer, chained EAGLE-style): the shared MTP layer keeps its own
-latent cache. Its row j is computed from (token j + 1, the main model's
-pre-norm hidden state at j), so with N rows in the main cache it is valid
-through row N - 2, and `h_last` holds the main hidden state at row N - 1.
+MTP speculative round (paper §2.1, MTP with shared parameters; DeepSeek-V3 §2.2, chained
+EAGLE-style): the shared MTP layer keeps its own pool, indexed by the same block tables.
+Its row j is computed from (token j + 1, the main model's pre-norm hidden state at j), so
+with N rows in the main cache it is valid through row N - 2, and `h_last` holds the main
+hidden state at row N - 1.
   1. draft 1: MTP row N - 1 from (pending token, h_last) -> q_1, d_1;
      draft k > 1: MTP row N + k - 2 from (d_{k-1}, MTP hidden of step k - 1) -> q_k, d_k.
   2. verify: one main forward over [pending, d_1 .. d_D] at rows N .. N + D.
   3. accept (sampling.speculative_accept) -> n drafts + one target token.
-  4. MTP catch-up: rows N .. N + n - 1 recomputed from the verified hidden
-     states, so the MTP cache again holds only main-model-derived rows.
-Rows written for rejected drafts sit beyond the sequence length: they are
-never visible (causal limit) and get overwritten.
+  4. MTP catch-up: rows N .. N + n - 1 recomputed from the verified hidden states, so the
+     MTP pool again holds only main-model-derived rows. The catch-up runs in the same MTP
+     call as the next round's first draft (`speculative_round`'s fold).
+Rows written for rejected drafts sit beyond the sequence length: they are never visible
+(each query's limit is its own position) and get overwritten.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from glm5_jax.inference import forward
 from glm5_jax.inference import sampling
+from glm5_jax.nn import kv_cache
+from glm5_jax.nn import model as model_lib
+
+
+_INT_FIELDS = ("tok", "pos", "active", "n_gen", "budget", "seed", "req", "top_k")
+_FLOAT_FIELDS = ("temp", "top_p")
+
+
+def pack_state(st):
+  """The host's decode state as three arrays (int32 [b, 8], float32 [b, 2], stop [b, n]):
+  three host-to-device copies per call instead of eleven."""
+  ints = np.stack([np.asarray(st[k], np.int32) for k in _INT_FIELDS], axis=1)
+  floats = np.stack([np.asarray(st[k], np.float32) for k in _FLOAT_FIELDS], axis=1)
+  return ints, floats, np.asarray(st["stop"], np.int32)
+
+
+def unpack_state(packed):
+  """Inverse of `pack_state`, on device."""
+  ints, floats, stop = packed
+  st = {k: ints[:, i] for i, k in enumerate(_INT_FIELDS)}
+  st.update({k: floats[:, i] for i, k in enumerate(_FLOAT_FIELDS)})
+  st["active"] = st["active"].astype(bool)
+  st["stop"] = stop
+  return st
+
+
+def num_rows(cache) -> int:
+  """Rows in the pool."""
+  return jax.tree_util.tree_leaves(cache["layers"])[0].shape[-2]
+
+
+def forward(cfg, block_size, params, cache, table_bm, tokens_bt, start_b, n_valid_b):
+  """The main model over a chunk. Returns (ModelOutput (no logits), updated cache)."""
+  idx = kv_cache.chunk_index(table_bm, block_size, start_b, n_valid_b, tokens_bt.shape[1],
+                             num_rows(cache))
+  return model_lib.GLM5(cfg).apply({"params": params}, tokens_bt, idx.limit_bt, cache=cache,
+                                   cache_index=idx, return_topk=True, return_logits=False)
+
+
+def head(cfg, params, normed):
+  """float32 logits [.., V]: the trainer's lm_head."""
+  return model_lib.Head(cfg).apply({"params": params["lm_head"]}, normed)
+
+
+def mtp(cfg, block_size, params, cache, table_bm, next_tokens_bt, h_prev_btd, start_b,
+        n_valid_b, first_valid_b=None):
+  """The MTP layer over a chunk of rows start[b] + i. Returns (h, logits, updated cache)."""
+  idx = kv_cache.chunk_index(table_bm, block_size, start_b, n_valid_b, next_tokens_bt.shape[1],
+                             num_rows(cache), first_valid_b)
+  h, logits, mtp_cache = model_lib.mtp_step(cfg, params, next_tokens_bt, h_prev_btd,
+                                            idx.limit_bt, cache["mtp"], idx)
+  return h, logits, {**cache, "mtp": mtp_cache}
 
 
 def _stack_topk(all_idx):
@@ -39,37 +98,37 @@ def _stack_topk(all_idx):
   return jnp.stack(all_idx)
 
 
-def prefill(cfg, form, with_mtp, params, cache, h_last, tokens_bt, start_b, n_valid_b):
-  """One prefill chunk: rows start[b] .. start[b] + n_valid[b] - 1 get tokens[b, :n_valid[b]].
-
-  Returns (cache, h_last, last_logits f32 [b, V] at each row's last valid
-  token (garbage where n_valid == 0), top-k [L, b, t, K] or None).
-  """
-  s = cache["layers"][0]["kv"].shape[1]
-  t = tokens_bt.shape[1]
-  chunk = forward.make_chunk(start_b, n_valid_b, t, s)
-  h0, normed, all_idx, layers = forward.model_forward(cfg, params, cache["layers"], tokens_bt,
-                                                      chunk, form)
-  last = jnp.maximum(n_valid_b - 1, 0)
-  take = lambda x: jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
-  logits = forward.head(params, take(normed))
-  cache = {**cache, "layers": layers}
-  if with_mtp:
-    # MTP rows start-1 .. start+n-2 from (tokens[i], h0 at row start-1+i).
-    h_prev = jnp.concatenate([h_last[:, None].astype(h0.dtype), h0[:, :-1]], axis=1)
-    mchunk = forward.make_chunk(start_b - 1, n_valid_b, t, s)
-    _, _, cache["mtp"] = forward.mtp_forward(cfg, params, cache["mtp"], tokens_bt, h_prev,
-                                             mchunk, form)
-    h_last = jnp.where((n_valid_b > 0)[:, None], take(h0).astype(h_last.dtype), h_last)
-  return cache, h_last, logits, _stack_topk(all_idx)
-
-
 def _pick(logits_bv, st):
   """Sample the next token per row; returns (token [b], raw log-prob [b])."""
   logq = sampling.sampling_logprobs(logits_bv, st["temp"], st["top_k"], st["top_p"])
   keys = sampling.row_keys(st["seed"], st["req"], st["n_gen"])
-  tok = sampling.sample(keys, logq)
+  tok = sampling.sample(keys, logq, st["temp"] <= 0)
   return tok, sampling.raw_logprobs(logits_bv, tok)
+
+
+def prefill(cfg, block_size, with_mtp, params, cache, h_last, table_bm, tokens_bt, start_b,
+            n_valid_b, h_valid_b, st):
+  """One prefill chunk: rows start[b] .. start[b] + n_valid[b] - 1 get tokens[b, :n_valid[b]].
+
+  h_valid_b: bool [b], h_last holds the main hidden state of row start[b] - 1 (else the MTP
+  row start[b] - 1 is already cached, or there is none).
+
+  Returns (cache, h_last, out) with out = {tok [b], logprob [b]: a token sampled from the
+  logits at each row's last valid token (used by the host where the prompt ends),
+  topk [L, b, t, K] or None}.
+  """
+  out, cache = forward(cfg, block_size, params, cache, table_bm, tokens_bt, start_b, n_valid_b)
+  last = jnp.maximum(n_valid_b - 1, 0)
+  take = lambda x: jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
+  tok, lp = _pick(head(cfg, params, take(out.hidden)), st)
+  if with_mtp:
+    # MTP rows start-1 .. start+n-2 from (tokens[i], main hidden at row start-1+i).
+    h0 = out.last_hidden
+    h_prev = jnp.concatenate([h_last[:, None].astype(h0.dtype), h0[:, :-1]], axis=1)
+    _, _, cache = mtp(cfg, block_size, params, cache, table_bm, tokens_bt, h_prev, start_b - 1,
+                      n_valid_b, (~h_valid_b).astype(jnp.int32))
+    h_last = jnp.where((n_valid_b > 0)[:, None], take(h0).astype(h_last.dtype), h_last)
+  return cache, h_last, {"tok": tok, "logprob": lp, "topk": _stack_topk(out.topk_indices)}
 
 
 def _advance(st, tok_b, emit_b):
@@ -80,39 +139,53 @@ def _advance(st, tok_b, emit_b):
   return {**st, "tok": jnp.where(emit_b > 0, tok_b, st["tok"]), "n_gen": n_gen, "active": active}
 
 
-def first_token(logits_bv, st):
-  """The token after the prompt. Returns (st, token [b], log-prob [b], emitted [b])."""
-  tok, lp = _pick(logits_bv, st)
-  emit = st["active"].astype(jnp.int32)
-  return _advance(st, tok, emit), tok, lp, emit
-
-
-def decode(cfg, form, n_steps, params, cache, st):
+def decode(cfg, block_size, n_steps, params, cache, table_bm, st):
   """n_steps plain decode steps (lax.scan). Returns (cache, st, per-step outputs)."""
-  s = cache["layers"][0]["kv"].shape[1]
 
   def step(carry, _):
     cache, st = carry
     emit = st["active"].astype(jnp.int32)
-    chunk = forward.make_chunk(st["pos"], emit, 1, s)
-    _, normed, all_idx, layers = forward.model_forward(cfg, params, cache["layers"],
-                                                       st["tok"][:, None], chunk, form)
-    tok, lp = _pick(forward.head(params, normed[:, 0]), st)
-    topk = _stack_topk(all_idx)
-    out = {"tok": tok, "logprob": lp, "emit": emit, "pos": st["pos"],
+    out, cache = forward(cfg, block_size, params, cache, table_bm, st["tok"][:, None],
+                         st["pos"], emit)
+    tok, lp = _pick(head(cfg, params, out.hidden[:, 0]), st)
+    topk = _stack_topk(out.topk_indices)
+    res = {"tok": tok, "logprob": lp, "emit": emit, "pos": st["pos"],
            "topk": None if topk is None else topk[:, :, 0]}
     st = _advance({**st, "pos": st["pos"] + emit}, tok, emit)
-    return ({**cache, "layers": layers}, st), out
+    return (cache, st), res
 
   (cache, st), outs = jax.lax.scan(step, (cache, st), None, length=n_steps)
   return cache, st, outs
 
 
-def speculative_round(cfg, form, n_draft, params, cache, h_last, st):
-  """One draft / verify / accept round (module docstring). Returns (cache, h_last, st, out)
+def init_fold(st, h_last, n_draft):
+  """The speculative carry before the first round: MTP row pos - 1 from (pending, h_last)."""
+  b = st["tok"].shape[0]
+  tok = jnp.zeros((b, n_draft + 1), jnp.int32).at[:, 0].set(st["tok"])
+  h = jnp.zeros((b, n_draft + 1, h_last.shape[-1]), h_last.dtype).at[:, 0].set(h_last)
+  return {"tok": tok, "h": h, "n": jnp.ones((b,), jnp.int32)}
+
+
+def finish_fold(cfg, block_size, params, cache, fold, table_bm, st):
+  """The last round's MTP catch-up (rows pos - n .. pos - 2). Returns (cache, h_last)."""
+  n = fold["n"]
+  _, _, cache = mtp(cfg, block_size, params, cache, table_bm, fold["tok"], fold["h"],
+                    st["pos"] - n, jnp.maximum(n - 1, 0))
+  last = jnp.maximum(n - 1, 0)[:, None, None]
+  return cache, jnp.take_along_axis(fold["h"], last, axis=1)[:, 0]
+
+
+def speculative_round(cfg, block_size, n_draft, params, cache, fold, table_bm, st):
+  """One draft / verify / accept round (module docstring). Returns (cache, fold, st, out)
   with out = {tok [b, D+1], logprob [b, D+1], n_emit [b], n_accepted [b], pos [b],
-  topk [L, b, D+1, K] or None}; row b emitted tok[b, :n_emit[b]]."""
-  s = cache["layers"][0]["kv"].shape[1]
+  topk [L, b, D+1, K] or None}; row b emitted tok[b, :n_emit[b]].
+
+  fold: the previous round's emitted tokens and their verify hidden states {tok [b, D+1],
+  h [b, D+1, d], n [b]} (`init_fold` before the first round). The previous round's MTP
+  catch-up (rows start .. pos - 2) and this round's first draft (row pos - 1, from the
+  pending token and h at pos - 1) are one MTP call over those rows: the catch-up is folded
+  into the next round (`finish_fold` after the last one).
+  """
   b, d = st["tok"].shape[0], n_draft
   act = st["active"].astype(jnp.int32)
   n0 = st["pos"]
@@ -120,26 +193,36 @@ def speculative_round(cfg, form, n_draft, params, cache, h_last, st):
   keys = jax.vmap(lambda k: jax.random.split(k, d + 1))(keys)            # [b, D+1, key]
   rep = lambda x: jnp.repeat(x, d + 1, axis=0)
 
-  # 1. Draft with the shared MTP module (one scanned step per draft).
-  def draft(carry, k):
-    mtp_cache, tok_b, h_bd = carry
-    chunk = forward.make_chunk(n0 - 1 + k, act, 1, s)
-    h, logits, mtp_cache = forward.mtp_forward(cfg, params, mtp_cache, tok_b[:, None],
-                                               h_bd[:, None], chunk, form)
-    logq = sampling.sampling_logprobs(logits[:, 0], st["temp"], st["top_k"], st["top_p"])
-    tok_b = sampling.sample(keys[:, k], logq)
-    return (mtp_cache, tok_b, h[:, 0].astype(h_bd.dtype)), (tok_b, logq)
+  def sample_draft(logits_bv, k):
+    logq = sampling.sampling_logprobs(logits_bv, st["temp"], st["top_k"], st["top_p"])
+    return sampling.sample(keys[:, k], logq, st["temp"] <= 0), logq
 
-  (mtp_cache, _, _), (drafts, logqs) = jax.lax.scan(
-      draft, (cache["mtp"], st["tok"], h_last), jnp.arange(d))
-  drafts_bd, logq_bdv = drafts.swapaxes(0, 1), logqs.swapaxes(0, 1)
+  # 1. Draft with the shared MTP module: catch-up rows + draft 1 in one call, then one
+  #    scanned step per further draft.
+  fn = fold["n"]
+  h, logits, cache = mtp(cfg, block_size, params, cache, table_bm, fold["tok"], fold["h"],
+                         n0 - fn, fn * act)
+  at = jnp.maximum(fn - 1, 0)[:, None, None]
+  h1 = jnp.take_along_axis(h, at, axis=1)[:, 0]
+  tok1, logq1 = sample_draft(jnp.take_along_axis(logits, at, axis=1)[:, 0], 0)
+
+  def draft(carry, k):
+    cache, tok_b, h_bd = carry
+    h, logits, cache = mtp(cfg, block_size, params, cache, table_bm, tok_b[:, None],
+                           h_bd[:, None], n0 - 1 + k, act)
+    tok_b, logq = sample_draft(logits[:, 0], k)
+    return (cache, tok_b, h[:, 0].astype(h_bd.dtype)), (tok_b, logq)
+
+  (cache, _, _), (drafts, logqs) = jax.lax.scan(draft, (cache, tok1, h1.astype(fold["h"].dtype)),
+                                                jnp.arange(1, d))
+  drafts_bd = jnp.concatenate([tok1[:, None], drafts.swapaxes(0, 1)], axis=1)
+  logq_bdv = jnp.concatenate([logq1[:, None], logqs.swapaxes(0, 1)], axis=1)
 
   # 2. Verify with one main-model forward over D + 1 tokens.
   vtok = jnp.concatenate([st["tok"][:, None], drafts_bd], axis=1)
-  chunk = forward.make_chunk(n0, act * (d + 1), d + 1, s)
-  h0, normed, all_idx, layers = forward.model_forward(cfg, params, cache["layers"], vtok,
-                                                      chunk, form)
-  logits = forward.head(params, normed)                                  # [b, D+1, V]
+  out, cache = forward(cfg, block_size, params, cache, table_bm, vtok, n0, act * (d + 1))
+  h0 = out.last_hidden
+  logits = head(cfg, params, out.hidden)                                 # [b, D+1, V]
   v = logits.shape[-1]
   logp = sampling.sampling_logprobs(logits.reshape(b * (d + 1), v), rep(st["temp"]),
                                     rep(st["top_k"]), rep(st["top_p"])).reshape(b, d + 1, v)
@@ -154,19 +237,17 @@ def speculative_round(cfg, form, n_draft, params, cache, h_last, st):
   first_stop = jnp.where(has_stop, jnp.argmax(is_stop, -1) + 1, d + 1)
   n_emit = jnp.minimum(jnp.minimum(n_acc + 1, st["budget"] - st["n_gen"]), first_stop) * act
 
-  # 4. MTP catch-up over the accepted drafts (rows N .. N + n - 1).
-  chunk = forward.make_chunk(n0, n_acc * act, d, s)
-  _, _, mtp_cache = forward.mtp_forward(cfg, params, mtp_cache, drafts_bd, h0[:, :d], chunk, form)
-
+  # 4. The carry: MTP rows n0 .. n0 + n_emit - 1 come from (emitted token i, h0[i]).
+  keep = n_emit > 0
+  fold = {"tok": jnp.where(keep[:, None], out_tok, fold["tok"]),
+          "h": jnp.where(keep[:, None, None], h0.astype(fold["h"].dtype), fold["h"]),
+          "n": jnp.where(keep, n_emit, fold["n"])}
   last = jnp.maximum(n_emit - 1, 0)[:, None]
-  h_sel = jnp.take_along_axis(h0, last[:, :, None], axis=1)[:, 0]
-  h_last = jnp.where((n_emit > 0)[:, None], h_sel.astype(h_last.dtype), h_last)
   n_gen = st["n_gen"] + n_emit
-  stopped = has_stop & (first_stop <= n_emit) & (n_emit > 0)
-  st = {**st, "tok": jnp.where(n_emit > 0, jnp.take_along_axis(out_tok, last, 1)[:, 0], st["tok"]),
+  stopped = has_stop & (first_stop <= n_emit) & keep
+  st = {**st, "tok": jnp.where(keep, jnp.take_along_axis(out_tok, last, 1)[:, 0], st["tok"]),
         "pos": n0 + n_emit, "n_gen": n_gen,
         "active": st["active"] & ~stopped & (n_gen < st["budget"])}
-  cache = {"layers": layers, "mtp": mtp_cache}
-  out = {"tok": out_tok, "logprob": out_lp, "n_emit": n_emit, "n_accepted": n_acc * act,
-         "pos": n0, "topk": _stack_topk(all_idx)}
-  return cache, h_last, st, out
+  res = {"tok": out_tok, "logprob": out_lp, "n_emit": n_emit, "n_accepted": n_acc * act,
+         "pos": n0, "topk": _stack_topk(out.topk_indices)}
+  return cache, fold, st, res

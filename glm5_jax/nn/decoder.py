@@ -17,20 +17,21 @@ _ACT = ("activation_batch", "activation_length", "activation_embed")
 
 
 class DecoderLayer(nn.Module):
-  """Returns (h [b,t,d], top-k indices or None, indexer KL or None, expert load [E] or None)."""
+  """Returns (h [b,t,d], top-k indices or None, indexer KL or None, expert load [E] or None,
+  updated cache or None). `cache`, `cache_index`: this layer's KV pool (nn/kv_cache.py)."""
   cfg: "ModelConfig"  # noqa: F821
   moe: bool
   has_indexer: bool = True
 
   @nn.compact
   def __call__(self, h_btd, cos, sin, prev_indices=None, doc_start=None,
-               with_indexer_loss=False, order=None):
+               with_indexer_loss=False, order=None, cache=None, cache_index=None):
     cfg = self.cfg
     h_btd = nn.with_logical_constraint(h_btd, _ACT)
     x = norms.RMSNorm(cfg.rms_norm_eps, param_dtype=cfg.param_dtype, name="input_norm")(h_btd)
-    attn, indices, kl = mla_lib.MLA(cfg, self.has_indexer, name="attn")(
+    attn, indices, kl, cache = mla_lib.MLA(cfg, self.has_indexer, name="attn")(
         x, cos, sin, prev_indices=prev_indices, doc_start=doc_start,
-        with_indexer_loss=with_indexer_loss, order=order)
+        with_indexer_loss=with_indexer_loss, order=order, cache=cache, cache_index=cache_index)
     h_btd = h_btd + attn.astype(h_btd.dtype)
     x = norms.RMSNorm(cfg.rms_norm_eps, param_dtype=cfg.param_dtype,
                       name="post_attention_norm")(h_btd)
@@ -39,7 +40,7 @@ class DecoderLayer(nn.Module):
     else:
       y, load = moe_lib.MLP(cfg, cfg.intermediate_size, name="mlp")(x), None
     h_btd = h_btd + y.astype(h_btd.dtype)
-    return nn.with_logical_constraint(h_btd, _ACT), indices, kl, load
+    return nn.with_logical_constraint(h_btd, _ACT), indices, kl, load, cache
 
 
 def remat_layer(cfg):

@@ -9,6 +9,7 @@ slice:
 
   op                   batch b                  heads          keys / cache s
   indexer top-k        over the batch axes      whole (the score sums all indexer heads)   whole
+                       (start, and a [b, t] limit, with it; a [t] limit is replicated)
   sparse MLA           over the batch axes      over `tensor`  whole (shared by all heads)
 
 A batch axis group is used only when it divides b (an inference batch of 1
@@ -50,17 +51,22 @@ def _axes_dividing(mesh, axes, n: int):
 
 def topk_indices(q, k, w, topk, *, impl, interpret, chunk_size, start=None, backend=None,
                  limit=None):
-  """`lightning_indexer.topk_indices`, sharded over the batch axes for `impl="pallas"`."""
-  call = lambda q, k, w, start: lightning_indexer.topk_indices(
+  """`lightning_indexer.topk_indices`, sharded over the batch axes for `impl="pallas"`.
+
+  start: optional int32 [b, t]; limit: optional int32 [t] (every row alike) or
+  [b, t] (per row: a KV-cache forward), see `lightning_indexer.topk_indices`.
+  """
+  call = lambda q, k, w, start, limit: lightning_indexer.topk_indices(
       q, k, w, topk, impl=impl, interpret=interpret, chunk_size=chunk_size, start=start,
       backend=backend, limit=limit)
   mesh = _mesh()
-  if impl != "pallas" or mesh is None or limit is not None:
-    return call(q, k, w, start)
+  if impl != "pallas" or mesh is None:
+    return call(q, k, w, start, limit)
   bat = _axes_dividing(mesh, shd.BATCH_AXES, q.shape[0])
   spec = P(bat)
-  return jax.shard_map(call, in_specs=(spec, spec, spec, spec), out_specs=spec,
-                       check_vma=False)(q, k, w, start)
+  limit_spec = spec if limit is not None and limit.ndim == 2 else P()
+  return jax.shard_map(call, in_specs=(spec, spec, spec, spec, limit_spec), out_specs=spec,
+                       check_vma=False)(q, k, w, start, limit)
 
 
 def sparse_mla(q, kv, indices, *, v_dim, scale, impl, interpret, chunk_size, backend=None):

@@ -109,7 +109,8 @@ class LayerBlock(nn.Module):
 
   carry: (h [b,t,d], top-k indices [b,t,k] int32 or None). Outputs per repeat: the
   indexer KL of each block layer `kl [p]` (0 where the layer has no indexer), the expert
-  load of each MoE layer `load [p_moe, E]`, and with `return_topk` the top-k of each layer.
+  load of each MoE layer `load [p_moe, E]`, with `return_topk` the top-k of each layer, and
+  with a KV cache (scanned like the parameters, nn/kv_cache.py) the updated cache.
   """
   cfg: Any
   block: tuple[LayerKind, ...]
@@ -117,14 +118,16 @@ class LayerBlock(nn.Module):
   return_topk: bool = False
 
   @nn.compact
-  def __call__(self, carry, cos, sin, doc_start, order):
+  def __call__(self, carry, cos, sin, doc_start, order, cache, cache_index):
     h, indices = carry
     layer_cls = decoder_lib.remat_layer(self.cfg)
-    kls, loads, topk = [], [], []
+    kls, loads, topk, caches = [], [], [], {}
     for j, kind in enumerate(self.block):
-      h, idx, kl, load = layer_cls(self.cfg, moe=kind.moe, has_indexer=kind.has_indexer,
-                                   name=f"layer_{j}")(h, cos, sin, indices, doc_start,
-                                                      self.with_indexer_loss, order)
+      name = f"layer_{j}"
+      h, idx, kl, load, caches[name] = layer_cls(
+          self.cfg, moe=kind.moe, has_indexer=kind.has_indexer, name=name)(
+              h, cos, sin, indices, doc_start, self.with_indexer_loss, order,
+              None if cache is None else cache[name], cache_index)
       indices = idx if idx is not None else indices
       kls.append(jnp.zeros((), jnp.float32) if kl is None else kl)
       if load is not None:
@@ -135,31 +138,38 @@ class LayerBlock(nn.Module):
       ys["load"] = jnp.stack(loads)
     if self.return_topk and topk[0] is not None:
       ys["topk"] = jnp.stack(topk)
+    if cache is not None:
+      ys["cache"] = caches
     return (h, indices), ys
 
 
 def scanned(stack: LayerStack):
   """`LayerBlock` scanned `stack.repeats` times, parameters stacked on the `layers` axis."""
   return nn.scan(LayerBlock, variable_axes={"params": 0, "intermediates": 0},
-                 split_rngs={"params": True}, in_axes=(nn.broadcast,) * 4,
+                 split_rngs={"params": True}, in_axes=(nn.broadcast,) * 4 + (0, nn.broadcast),
                  length=stack.repeats, metadata_params={nn.PARTITION_NAME: LAYERS_AXIS})
 
 
 def run_stacks(module: nn.Module, cfg, h, cos, sin, doc_start, order, *, with_indexer_loss,
-               return_topk):
+               return_topk, cache=None, cache_index=None):
   """All decoder layers of `cfg`, one scan per stack, as submodules of `module`.
 
+  cache: {stack name: stacked per-layer pools} (nn/kv_cache.py), read and written.
+
   Returns (h, per-layer KL [L], expert load [L_moe, E], per-layer top-k tuple (entries None
-  under dense attention)).
+  under dense attention), updated cache or None).
   """
   b, t, _ = h.shape
   indices = (jnp.full((b, t, cfg.index_topk), -1, jnp.int32)
              if cfg.attention_type == "sparse" else None)
-  kls, loads, topk = [], [], []
+  kls, loads, topk, new_cache = [], [], [], {}
   for st in layer_stacks(cfg):
     block = scanned(st)(cfg, st.block, with_indexer_loss, return_topk, name=st.name,
                         parent=module)
-    (h, indices), ys = block((h, indices), cos, sin, doc_start, order)
+    (h, indices), ys = block((h, indices), cos, sin, doc_start, order,
+                             None if cache is None else cache[st.name], cache_index)
+    if cache is not None:
+      new_cache[st.name] = ys["cache"]
     kls.append(ys["kl"].reshape(-1))
     if "load" in ys:
       loads.append(ys["load"].reshape(-1, ys["load"].shape[-1]))
@@ -169,4 +179,4 @@ def run_stacks(module: nn.Module, cfg, h, cos, sin, doc_start, order, *, with_in
       topk.extend([None] * st.num_layers)
   load = (jnp.concatenate(loads) if loads
           else jnp.zeros((0, cfg.n_routed_experts), jnp.float32))
-  return h, jnp.concatenate(kls), load, tuple(topk)
+  return h, jnp.concatenate(kls), load, tuple(topk), (new_cache if cache is not None else None)

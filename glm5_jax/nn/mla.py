@@ -30,6 +30,7 @@ from glm5_jax.nn import attention
 from glm5_jax.nn import context_parallel as cp
 from glm5_jax.nn import dsa_kernels
 from glm5_jax.nn import indexer as indexer_lib
+from glm5_jax.nn import kv_cache
 from glm5_jax.nn import norms
 from glm5_jax.nn import params as P
 from glm5_jax.nn import rope
@@ -104,15 +105,18 @@ def mla_absorbed_attention(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, mask_bts, s
   acc = jnp.promote_types(q_abs.dtype, jnp.float32)
   logits = jnp.einsum("bthd,bsd->bhts", q_abs, kv, preferred_element_type=acc) * scale
   logits = jnp.where(mask_bts[:, None], logits, -jnp.inf)
-  probs = jax.nn.softmax(logits, axis=-1)
+  # A query that sees no key (a padding row of a cached chunk) gets 0, not NaN.
+  probs = jnp.where(jnp.any(mask_bts, -1)[:, None, :, None], jax.nn.softmax(logits, axis=-1), 0.)
   u = jnp.einsum("bhts,bsc->bthc", probs.astype(c_kv.dtype), c_kv)
   return jnp.einsum("bthc,chv->bthv", u, w_uv)
 
 
-def mla_sparse_attention(cfg, q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, indices_btk):
-  """DSA: absorbed MLA over the gathered top-k latent rows. Returns o [b, t, h, v]."""
+def mla_sparse_attention(cfg, q_nope, q_rope, kv, w_uk, w_uv, indices_btk):
+  """DSA: absorbed MLA over the gathered top-k latent rows kv = [c_kv | k_rope] [b, s, c + p].
+
+  Returns o [b, t, h, v].
+  """
   q_abs = absorb_query(q_nope, q_rope, w_uk)
-  kv = jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], axis=-1)
   u, _ = dsa_kernels.sparse_mla(
       q_abs, kv, indices_btk, v_dim=cfg.kv_lora_rank, scale=cfg.softmax_scale,
       impl=cfg.attention_impl, interpret=None,
@@ -121,7 +125,9 @@ def mla_sparse_attention(cfg, q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, indices_
 
 
 class MLA(nn.Module):
-  """MLA + DSA for one layer. Returns (out [b,t,d], top-k indices or None, indexer KL or None).
+  """MLA + DSA for one layer.
+
+  Returns (out [b,t,d], top-k indices or None, indexer KL or None, updated cache or None).
 
   Attributes:
     cfg: ModelConfig.
@@ -132,10 +138,16 @@ class MLA(nn.Module):
 
   @nn.compact
   def __call__(self, x_btd, cos, sin, *, prev_indices=None, doc_start=None,
-               with_indexer_loss=False, order=None):
+               with_indexer_loss=False, order=None, cache=None, cache_index=None):
     """order: int32 [t], context parallelism's row layout (nn/context_parallel.py): the
     keys (latent rows, indexer keys) are gathered back to natural order and query i sees
-    keys doc_start[i] <= j <= order[i]."""
+    keys doc_start[i] <= j <= order[i].
+
+    cache, cache_index: this layer's pool {'kv', 'k_idx'} and where the new tokens go
+    (nn/kv_cache.py). The new rows are written first; attention and the indexer then run
+    over each sequence's view of the pool, query i seeing positions 0 .. limit[b, i].
+    The fourth output is the updated pool (None without a cache).
+    """
     cfg = self.cfg
     dt = jnp.dtype(cfg.dtype)
     h, n, p, v = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
@@ -160,10 +172,17 @@ class MLA(nn.Module):
     c_kv = norms.RMSNorm(1e-6, "kv_lora", pd, dt, name="kv_norm")(ckv[..., :c])
     k_rope = rope.apply_rope(ckv[..., c:], cos, sin, interleave=cfg.rope_interleave)
     # Keys: the compressed rows (latent + rope key), all of them, in natural order.
-    kv = cp.gather_keys(jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], axis=-1), order)
+    kv = jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], axis=-1)
+    new_cache = None
+    if cache is not None:
+      new_cache = {**cache, "kv": kv_cache.write(cache["kv"], kv, cache_index.write_bt)}
+      kv = kv_cache.read(new_cache["kv"], cache_index.read_bs)
+      limit = cache_index.limit_bt
+    else:
+      kv = cp.gather_keys(kv, order)
+      limit = None if order is None else jnp.broadcast_to(order, x.shape[:2])
     c_kv, k_rope = kv[..., :c], kv[..., c:]
     n_ctx = 1 if order is None else cp.size()
-    limit = None if order is None else jnp.broadcast_to(order, x.shape[:2])
     if order is not None and doc_start is None:
       doc_start = jnp.zeros(x.shape[:2], jnp.int32)
 
@@ -175,20 +194,30 @@ class MLA(nn.Module):
     q_i = k_i = w_i = None
     if self.has_indexer:
       q_i, k_i, w_i = indexer_lib.Indexer(cfg, name="indexer")(x_btd, c_q, cos, sin)
-      k_i = cp.gather_keys(k_i, order)
+      if cache is not None:
+        new_cache["k_idx"] = kv_cache.write(cache["k_idx"], k_i, cache_index.write_bt)
+        k_i = kv_cache.read(new_cache["k_idx"], cache_index.read_bs)
+      else:
+        k_i = cp.gather_keys(k_i, order)
       self.sow("intermediates", "indexer_qkw", (q_i, k_i, w_i))   # for tests / analysis
       if cfg.attention_type == "sparse":
+        idx_limit = limit if cache is not None else order
         indices = local(lambda qi, wi, st, li, ki: indexer_lib.select_topk(
-            cfg, qi, ki, wi, st, li), (q_i, w_i, doc_start, order), (k_i,))
+            cfg, qi, ki, wi, st, li), (q_i, w_i, doc_start, idx_limit), (k_i,))
 
-    if cfg.attention_type == "dense":
+    if cfg.attention_type == "dense" and cache is not None:
+      # Few queries over a long cache: the absorbed (MQA) form reads the latent rows once.
+      mask_bts = jnp.arange(kv.shape[1])[None, None, :] <= limit[..., None]
+      o = mla_absorbed_attention(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, mask_bts,
+                                 cfg.softmax_scale)
+    elif cfg.attention_type == "dense":
       o = local(lambda qn, qr, st, li, *kw: mla_dense_attention(cfg, qn, qr, *kw, st, li),
                 (q_nope, q_rope, doc_start, limit), (c_kv, k_rope, w_uk, w_uv))
     else:
       if indices is None:
         raise ValueError("a 'shared' indexer layer needs the previous full layer's top-k")
       o = local(lambda qn, qr, idx, *kw: mla_sparse_attention(cfg, qn, qr, *kw, idx),
-                (q_nope, q_rope, indices), (c_kv, k_rope, w_uk, w_uv))
+                (q_nope, q_rope, indices), (kv, w_uk, w_uv))
     out = jnp.einsum("bthv,hvd->btd", o, wo.astype(dt))
 
     kl = None
@@ -199,4 +228,4 @@ class MLA(nn.Module):
           qa, kv_, qi, ki, wi, scale=cfg.softmax_scale, indices=idx,
           chunk_size=cfg.attention_chunk_size, doc_start=st, limit=li),
                  (q_abs, q_i, w_i, doc_start, limit, indices), (kv, k_i))
-    return out, indices, kl
+    return out, indices, kl, new_cache

@@ -51,6 +51,8 @@ class ModelOutput:
     mtp_expert_load: float32 [D, E], or None.
     topk_indices: tuple of int32 [b, t, index_topk] per layer (None for dense
       attention), only with `return_topk=True`.
+    last_hidden: [b, t, d] the last layer's hidden states before the final norm (the
+      MTP module's input).
   """
   logits: Any
   mtp_logits: Any
@@ -61,6 +63,7 @@ class ModelOutput:
   expert_load: Any
   mtp_expert_load: Any
   topk_indices: Any = None
+  last_hidden: Any = None
 
 
 class Embed(nn.Module):
@@ -107,8 +110,8 @@ class GLM5(nn.Module):
   def __call__(self, tokens, positions=None, segment_ids=None, *,
                with_indexer_loss: bool = False,
                return_logits: bool = True, return_topk: bool = False, mtp: bool | None = None,
-               order=None):
-    """Forward pass.
+               order=None, cache=None, cache_index=None):
+    """Forward pass; over a KV cache (the inference engine) `-> (ModelOutput, cache)`.
 
     Args:
       tokens: int32 [b, t].
@@ -123,9 +126,20 @@ class GLM5(nn.Module):
       mtp: run the MTP steps (default: whenever the config has MTP).
       order: int32 [t], context parallelism's layout (nn/context_parallel.py): entry i of
         every [b, t] input is natural position order[i] of the row. None: natural order.
+      cache, cache_index: a KV pool (`kv_cache.init_cache`) and where this chunk's tokens
+        go (`kv_cache.CacheIndex`; `positions` are then the tokens' absolute positions).
+        The decoder layers write their rows and attend over the cached sequence; the MTP
+        steps do not run (the engine runs the MTP layer over its own cache with
+        `mtp_step`). Returns (ModelOutput, updated cache).
     """
     cfg = self.cfg
     _check_tokens(cfg, tokens)
+    if (cache is None) != (cache_index is None):
+      raise ValueError("GLM5: pass cache and cache_index together (nn/kv_cache.py)")
+    if cache is not None and (segment_ids is not None or order is not None or
+                              with_indexer_loss):
+      raise ValueError("GLM5 with a KV cache: segment_ids, order and with_indexer_loss are "
+                       "training inputs; expected None / False")
     b, t = tokens.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -135,21 +149,29 @@ class GLM5(nn.Module):
     head = Head(cfg, name="lm_head")
     final_norm = norms.RMSNorm(cfg.rms_norm_eps, param_dtype=cfg.param_dtype, name="final_norm")
     h = embed(tokens)
-    h, kls, expert_load, all_idx = layer_stack.run_stacks(
+    h, kls, expert_load, all_idx, new_cache = layer_stack.run_stacks(
         self, cfg, h, cos, sin, doc_start, order, with_indexer_loss=with_indexer_loss,
-        return_topk=return_topk)
+        return_topk=return_topk, cache=None if cache is None else cache["layers"],
+        cache_index=cache_index)
     h_final = h
     hidden = final_norm(h)
     logits = head(hidden, return_logits)
 
     run_mtp = cfg.has_mtp if mtp is None else (mtp and cfg.has_mtp)
+    if cache is not None:
+      out = ModelOutput(logits=logits, mtp_logits=None, hidden=hidden, mtp_hidden=None,
+                        indexer_kl=None, mtp_indexer_kl=None, expert_load=expert_load,
+                        mtp_expert_load=None, topk_indices=all_idx if return_topk else None,
+                        last_hidden=h_final)
+      return out, {**cache, "layers": new_cache}
     mtp_logits = mtp_hidden = mtp_kl = mtp_load = None
     if cfg.num_nextn_predict_layers and (run_mtp or self.is_initializing()):
       step = mtp_lib.MTPStep(cfg, name="mtp")                # one module, D calls: shared weights
       hs, normed, step_kl, step_load = h_final, [], [], []
       for k in range(1, max(cfg.mtp_num_steps, 1) + 1):
         emb_k = embed(_shifted(tokens, k, order))
-        hs, n_k, _, kl, load = step(emb_k, hs, cos, sin, doc_start, with_indexer_loss, order)
+        hs, n_k, _, kl, load, _ = step(emb_k, hs, cos, sin, doc_start, with_indexer_loss,
+                                       order)
         normed.append(n_k)
         step_kl.append(kl if kl is not None else jnp.zeros((), jnp.float32))
         step_load.append(load)
@@ -162,7 +184,24 @@ class GLM5(nn.Module):
         logits=logits, mtp_logits=mtp_logits, hidden=hidden, mtp_hidden=mtp_hidden,
         indexer_kl=kls if with_indexer_loss else None, mtp_indexer_kl=mtp_kl,
         expert_load=expert_load, mtp_expert_load=mtp_load,
-        topk_indices=all_idx if return_topk else None)
+        topk_indices=all_idx if return_topk else None, last_hidden=h_final)
+
+
+def mtp_step(cfg, params, next_tokens_bt, h_prev_btd, positions_bt, mtp_cache, cache_index):
+  """One step of the shared MTP module over its own KV pool (the engine's drafts).
+
+  The same modules as `GLM5`'s MTP steps (Embed, MTPStep, Head on their parameter
+  subtrees): row i combines the embedding of the token after position positions[i] with
+  the hidden state h_prev at positions[i] (embedding first, paper §2.1).
+
+  Returns (h [b,t,d] before the head norm, logits float32 [b,t,V], updated MTP pool).
+  """
+  cos, sin = rope.rope_angles(positions_bt, cfg.qk_rope_head_dim, cfg.rope_theta)
+  emb = Embed(cfg).apply({"params": params["embed"]}, next_tokens_bt)
+  h, normed, _, _, _, mtp_cache = mtp_lib.MTPStep(cfg).apply(
+      {"params": params["mtp"]}, emb, h_prev_btd.astype(emb.dtype), cos, sin, None, False,
+      None, mtp_cache, cache_index)
+  return h, Head(cfg).apply({"params": params["lm_head"]}, normed), mtp_cache
 
 
 def document_starts(segment_ids_bt):

@@ -14,6 +14,20 @@ Routing
 Dropless dispatch (design.md decision 7): the n*K (token, expert) pairs are
 sorted by expert and run as grouped matmuls with `jax.lax.ragged_dot`; nothing
 is dropped, there is no capacity factor.
+
+Dispatch by token count (`select_dispatch`, a Python-level choice on static shapes):
+
+  expert-parallel all-to-all active   -> moe_ep.ep_grouped_swiglu  (regardless of n)
+    (cfg.expert_dispatch == "all_to_all" and moe_ep.expert_parallel_size() > 1)
+  n*K <  E  (decode, a few tokens)    -> gathered_swiglu
+  n*K >= E  (training, prefill)       -> grouped_swiglu
+
+`gathered_swiglu` gathers each token's K expert matrices ([n, K, d, I]) and runs
+batched einsums. With fewer (token, expert) pairs than experts it reads at most
+n*K expert matrices instead of all E (weight memory reads dominate at decode
+sizes), and it avoids `ragged_dot`'s slow CPU lowering. Same routing, same
+math, same outputs (y and tokens per expert); only the summation order of the K
+experts per token differs, so results agree to float rounding.
 """
 
 from __future__ import annotations
@@ -85,8 +99,42 @@ def grouped_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid):
   return y, group_sizes
 
 
+def gathered_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid):
+  """sum_k weights[n,k] * Expert_{ids[n,k]}(x[n]) via a gather of each token's K experts.
+
+  Same contract as `grouped_swiglu`: returns (y [n, d], tokens per expert int32 [E]).
+  Reads n*K expert matrices ([n, K, d, I]); meant for n*K < E (see module docstring).
+  """
+  e = w_gate_edi.shape[0]
+  wg, wu, wd = w_gate_edi[ids_nk], w_up_edi[ids_nk], w_down_eid[ids_nk]    # [n, K, ...]
+  h = (jax.nn.silu(jnp.einsum("nd,nkdi->nki", x_nd, wg))
+       * jnp.einsum("nd,nkdi->nki", x_nd, wu))
+  y_nkd = jnp.einsum("nki,nkid->nkd", h, wd)
+  y = jnp.einsum("nkd,nk->nd", y_nkd, weights_nk.astype(y_nkd.dtype))
+  counts = jnp.bincount(ids_nk.reshape(-1), length=e).astype(jnp.int32)
+  return y, counts
+
+
+def select_dispatch(cfg, n_tokens: int):
+  """The routed-expert kernel for n_tokens tokens (static), per the module docstring table.
+
+  Expert-parallel all-to-all, when active, is kept regardless of the token count;
+  otherwise gathered_swiglu when n*K < E, grouped_swiglu when n*K >= E.
+  """
+  if cfg.expert_dispatch == "all_to_all" and moe_ep.expert_parallel_size() > 1:
+    return moe_ep.ep_grouped_swiglu                  # all-to-all inside shard_map
+  if n_tokens * cfg.num_experts_per_tok < cfg.n_routed_experts:
+    return gathered_swiglu
+  return grouped_swiglu
+
+
 class MoE(nn.Module):
-  """Routed experts + shared expert. Returns (y [b,t,d], expert load fraction f32 [E])."""
+  """Routed experts + shared expert. Returns (y [b,t,d], expert load fraction f32 [E]).
+
+  The routed experts run through `select_dispatch(cfg, b*t)`: gathered for a few
+  tokens (n*K < E), grouped `ragged_dot` otherwise, and the expert-parallel
+  all-to-all path whenever it is active, regardless of the token count.
+  """
   cfg: "ModelConfig"  # noqa: F821
 
   @nn.compact
@@ -99,9 +147,7 @@ class MoE(nn.Module):
     x = x_btd.reshape(b * t, d)
     ids, weights = router(x)
     w_gate, w_up, w_down = experts()
-    dispatch = grouped_swiglu
-    if cfg.expert_dispatch == "all_to_all" and moe_ep.expert_parallel_size() > 1:
-      dispatch = moe_ep.ep_grouped_swiglu                # all-to-all inside shard_map
+    dispatch = select_dispatch(cfg, b * t)
     y, counts = dispatch(x.astype(dt), ids, weights, w_gate.astype(dt), w_up.astype(dt),
                          w_down.astype(dt))
     y = y.reshape(b, t, d)

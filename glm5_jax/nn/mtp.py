@@ -28,12 +28,16 @@ def shift_tokens(tokens_bt, k: int):
 
 
 class MTPStep(nn.Module):
-  """One application of the shared MTP module: returns (h^k [b,t,d], normed h^k, indices, kl, load)."""
+  """One application of the shared MTP module.
+
+  Returns (h^k [b,t,d], normed h^k, indices, kl, load, updated cache or None); `cache`,
+  `cache_index`: the MTP layer's KV pool (nn/kv_cache.py), for the inference engine.
+  """
   cfg: "ModelConfig"  # noqa: F821
 
   @nn.compact
   def __call__(self, emb_btd, h_prev_btd, cos, sin, doc_start=None, with_indexer_loss=False,
-               order=None):
+               order=None, cache=None, cache_index=None):
     cfg, pd = self.cfg, self.cfg.param_dtype
     d = cfg.hidden_size
     e = norms.RMSNorm(cfg.rms_norm_eps, param_dtype=pd, name="enorm")(emb_btd)
@@ -42,6 +46,7 @@ class MTPStep(nn.Module):
     x = jnp.concatenate([e, hh], axis=-1) @ eh_proj.astype(e.dtype)    # embedding FIRST
     layer = decoder_lib.remat_layer(cfg)(cfg, moe=cfg.is_moe_layer(cfg.num_hidden_layers),
                                          name="layer")
-    h, indices, kl, load = layer(x, cos, sin, None, doc_start, with_indexer_loss, order)
+    h, indices, kl, load, cache = layer(x, cos, sin, None, doc_start, with_indexer_loss, order,
+                                        cache, cache_index)
     normed = norms.RMSNorm(cfg.rms_norm_eps, param_dtype=pd, name="head_norm")(h)
-    return h, normed, indices, kl, load
+    return h, normed, indices, kl, load, cache

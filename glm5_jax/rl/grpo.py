@@ -317,7 +317,7 @@ def run(c, workdir: str) -> dict:
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))
     state = restored if restored is not None else state
     start = int(state.step)
-    setup.engine.params = state.params
+    setup.engine.update_params(state.params, version=start)
     writer = metrics_lib.MetricWriter(workdir, tensorboard=c.tensorboard,
                                       resume_step=start if restored is not None else -1)
 
@@ -336,7 +336,7 @@ def run(c, workdir: str) -> dict:
       evaluate(0)
     for step in range(start, c.total_steps):
       state, m = rl_step(setup, state, step)
-      setup.engine.params = state.params                            # 6. publish
+      setup.engine.update_params(state.params, version=step + 1)   # 6. publish
       writer.write(step + 1, m)
       last.update(m)
       done = step + 1 == c.total_steps

@@ -58,7 +58,12 @@ def rollout(engine, task, reward_fn, problems, tokenizer, *, group_size: int,
   t0 = time.perf_counter()
   prompts = [prompt_ids(task, p, tokenizer, enable_thinking=enable_thinking) for p in problems]
   requests = [p for p in prompts for _ in range(group_size)]
-  outs = engine.generate(requests, sampling, record_topk=record_topk)
+  # One request of n = group_size copies per prompt: the copies share the prompt's cache
+  # blocks (prefilled once); copy j of group g samples stream g * group_size + j.
+  ids = [rid for g, p in enumerate(prompts)
+         for rid in engine.submit(p, sampling, n=group_size, stream=g * group_size,
+                                  record_topk=record_topk)]
+  outs = engine.wait(ids)
   t1 = time.perf_counter()
   trajs, n_trunc = [], 0
   for i, out in enumerate(outs):

@@ -66,8 +66,8 @@ def _validate(c, cfg, n_proc: int, mesh) -> None:
     raise ValueError(f"config.seq_len={c.seq_len} is not divisible by 2 * config.mesh.context="
                      f"{2 * n_ctx} (context parallelism cuts each row into 2 * context chunks)")
   if n_ctx > 1 and cfg.attention_impl == "pallas":
-    raise ValueError("config.mesh.context > 1 needs model.attention_impl='xla' (the Pallas "
-                     "indexer takes causal limits only)")
+    raise ValueError("config.mesh.context > 1 needs model.attention_impl='xla' (context "
+                     "parallelism is built and tested on the XLA path; see docs/long_context.md)")
   for f in ("total_steps", "log_every", "checkpoint_every", "eval_every"):
     if c[f] < 1:
       raise ValueError(f"config.{f}={c[f]}: expected >= 1")

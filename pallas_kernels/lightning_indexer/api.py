@@ -1,7 +1,11 @@
-"""Dispatch for the lightning-indexer top-k (design.md decision 4)."""
+"""Dispatch for the lightning-indexer top-k: `impl="xla"` (chunked jnp reference) or
+`impl="pallas"` (Pallas score kernel); both select with `reference.deterministic_topk`.
+"""
 
 from __future__ import annotations
 
+
+import jax.numpy as jnp
 
 from pallas_kernels.lightning_indexer import reference
 
@@ -22,6 +26,18 @@ def _check_shapes(q, k, w, topk):
     raise ValueError(f"topk_indices: topk={topk!r}, expected a positive int")
 
 
+def _check_limit(limit, b: int, t: int):
+  if limit is None:
+    return
+  shape = getattr(limit, "shape", None)
+  if shape is None or tuple(shape) not in ((t,), (b, t)):
+    raise ValueError(f"topk_indices: limit has shape {shape}, expected int32 [t] = ({t},) or "
+                     f"[b, t] = ({b}, {t})")
+  if not jnp.issubdtype(limit.dtype, jnp.integer):
+    raise ValueError(f"topk_indices: limit has dtype {limit.dtype}, expected an integer "
+                     "(int32) array")
+
+
 def topk_indices(q, k, w, topk: int, *, impl: str = "xla", interpret: bool | None = False,
                  chunk_size: int = 512, start=None, backend: str | None = None, limit=None):
   """Top-k key positions per query by lightning-indexer score.
@@ -39,31 +55,26 @@ def topk_indices(q, k, w, topk: int, *, impl: str = "xla", interpret: bool | Non
       documents: its document's start). Keys before it are never selected.
     backend: for "pallas", the kernel lowering: "tpu", "gpu", or None = the
       platform's (see `pallas_kernels._backend`).
-    limit: optional int32 [t], the last key each query may see (default causal,
-      `s - t + i`); "xla" only (context parallelism's permuted rows).
+    limit: optional int32, the last key each query may see: [t] (every row
+      alike; context parallelism's permuted rows) or [b, t] (per row; b
+      sequences over a KV cache, each with t new queries at its own
+      positions). Default: causal, `s - t + i`. Both impls take it.
 
   Returns:
-    int32 [b, t, topk]: for query i (absolute position s - t + i) the keys
-    j <= s - t + i with the largest score, descending, ties -> lower j;
-    -1 fills slots beyond the number of causal keys.
+    int32 [b, t, topk]: for query i of row b the keys
+    start[b, i] <= j <= limit[(b,) i] (defaults 0 and s - t + i) with the
+    largest score, descending, ties -> lower j; -1 fills slots beyond the
+    number of visible keys (all of them when start > limit).
   """
   _check_shapes(q, k, w, topk)
   if start is not None and start.shape != q.shape[:2]:
     raise ValueError(f"topk_indices: start{start.shape}, expected [b, t] = {q.shape[:2]}")
-  if limit is not None and limit.shape != q.shape[1:2]:
-    raise ValueError(f"topk_indices: limit{limit.shape}, expected [t] = {q.shape[1:2]}")
+  _check_limit(limit, *q.shape[:2])
   if impl == "xla":
     return reference.topk_indices_reference(q, k, w, topk, chunk_size=chunk_size, start=start,
                                             limit=limit)
-  if limit is not None:
-    raise ValueError("topk_indices: impl='pallas' takes causal limits only; context "
-                     "parallelism (a per-query `limit`) needs attention_impl='xla'")
   if impl == "pallas":
     from pallas_kernels.lightning_indexer import kernel  # pylint: disable=g-import-not-at-top
     return kernel.topk_indices(q, k, w, topk, start=start, interpret=interpret,
-                               chunk_size=chunk_size, backend=backend)
+                               chunk_size=chunk_size, backend=backend, limit=limit)
   raise ValueError(f"topk_indices: impl={impl!r}, expected one of {IMPLS}")
-
-
-
-

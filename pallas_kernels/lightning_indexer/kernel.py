@@ -3,11 +3,15 @@
 Steps, per chunk of c queries (`lax.map`, so peak memory is O(b * c * s)
 float32 and the full [t, s] score matrix never exists):
   1. the Pallas kernel (`tpu.py` Mosaic, `gpu.py` Triton) computes the chunk's
-     scores tile by tile on chip, skipping causal-dead tiles;
-  2. `reference.deterministic_topk` (the one selection function of design.md
-     decision 5: descending score, ties -> lower key position, -1 fill; keys
-     before a query's document `start` are invisible) reduces them to the
-     top-k of each query.
+     scores tile by tile on chip. Causal (no `limit`): query i sits at absolute
+     position s - t + i, the chunk's first position `q0` goes to the kernel and
+     tiles wholly after the chunk's last query are skipped (-inf). Explicit
+     `limit` ([t] or [b, t]): q0 is set past the last key, so no tile is
+     skipped and every key is scored;
+  2. `reference.deterministic_topk` (the one selection function: descending
+     score, ties -> lower key position, -1 fill; a query sees keys
+     start <= j <= limit) reduces them to the top-k of each query. The causal
+     limit, an explicit limit and the document `start` are all applied here.
 Because step 2 is the reference's own function, the selection equals
 `topk_indices_reference` whenever the scores are equal; they are computed by the
 same products summed in a different order, so they agree to float32 rounding
@@ -56,7 +60,9 @@ def _scores_fn(backend: str, block_q: int, block_k: int, interpret):
                            interpret=interpret)
 
 
-def _topk_one_backend(backend, topk, chunk_size, block_q, block_k, interpret, q, k, w, start):
+def _topk_one_backend(backend, topk, chunk_size, block_q, block_k, interpret, causal,
+                      q, k, w, start, limit):
+  """One backend's top-k; `limit` is int32 [t] or [b, t] (`causal`: it is `causal_limit`)."""
   b, t, h_i, d = q.shape
   s = k.shape[1]
   tq, bk = _tiles(backend, t, s, block_q, block_k)
@@ -69,8 +75,14 @@ def _topk_one_backend(backend, topk, chunk_size, block_q, block_k, interpret, q,
   # [n, b, h_i, c, d] query chunks, heads leading; [n, b, c, h_i] weights.
   q_c = _backend.pad_to(q, 1, c).reshape(b, n_chunks, c, h_i, -1).transpose(1, 0, 3, 2, 4)
   w_c = _backend.pad_to(w, 1, c).reshape(b, n_chunks, c, h_i).swapaxes(0, 1)
-  limit_c = _backend.pad_to(reference.causal_limit(t, s), 0, c).reshape(n_chunks, c)
-  q0_c = (jnp.arange(n_chunks, dtype=jnp.int32) * c + (s - t)).reshape(n_chunks, 1)
+  if limit.ndim == 1:
+    limit_c = _backend.pad_to(limit, 0, c).reshape(n_chunks, c)
+  else:                                                        # [b, t] -> [n, b, c]
+    limit_c = _backend.pad_to(limit, 1, c).reshape(b, n_chunks, c).swapaxes(0, 1)
+  if causal:    # the chunk's first absolute query position: causal-dead tiles are skipped
+    q0_c = (jnp.arange(n_chunks, dtype=jnp.int32) * c + (s - t)).reshape(n_chunks, 1)
+  else:         # past the last (padded) key: every tile is live, the limit masks in step 2
+    q0_c = jnp.full((n_chunks, 1), k_p.shape[1] - 1, jnp.int32)
   start_c = _backend.pad_to(start, 1, c).reshape(b, n_chunks, c).swapaxes(0, 1)
   scores_fn = _scores_fn(backend, tq, bk, interpret)
 
@@ -85,7 +97,7 @@ def _topk_one_backend(backend, topk, chunk_size, block_q, block_k, interpret, q,
 
 def topk_indices(q, k, w, topk: int, *, start=None, interpret=False,
                  backend: str | None = None, chunk_size: int = DEFAULT_CHUNK,
-                 block_q: int | None = None, block_k: int | None = None):
+                 block_q: int | None = None, block_k: int | None = None, limit=None):
   """Top-k key positions per query by lightning-indexer score (Pallas scores).
 
   Args:
@@ -101,7 +113,10 @@ def topk_indices(q, k, w, topk: int, *, start=None, interpret=False,
     backend: "tpu", "gpu", or None (see `pallas_kernels._backend`).
     chunk_size: queries per chunk; peak memory O(b * chunk_size * s) float32.
     block_q, block_k: score tile (tq, bk). TPU: multiples of 8 (bk of 128 on
-      hardware; defaults 128, 512). GPU: powers of two >= 16 (defaults 32, 64).
+      hardware; defaults 128, 512). GPU: powers of two >= 16 (defaults 64, 128).
+    limit: optional int32 [t] or [b, t], last key each query may see (default
+      causal, s - t + i). Given, every score tile is computed (no causal
+      skipping) and the limit is applied in the selection, as in the reference.
 
   Returns:
     int32 [b, t, topk], as `reference.topk_indices_reference`. The selection
@@ -114,6 +129,9 @@ def topk_indices(q, k, w, topk: int, *, start=None, interpret=False,
     raise ValueError(f"topk_indices: chunk_size={chunk_size}, expected a positive int")
   b, t = q.shape[:2]
   start = jnp.zeros((b, t), jnp.int32) if start is None else start.astype(jnp.int32)
+  causal = limit is None
+  limit = (reference.causal_limit(t, k.shape[1]) if causal
+           else jnp.asarray(limit).astype(jnp.int32))
   make = lambda name, interp: functools.partial(_topk_one_backend, name, topk, chunk_size,
-                                                block_q, block_k, interp)
-  return _backend.dispatch(make, backend, interpret, q, k, w, start)
+                                                block_q, block_k, interp, causal)
+  return _backend.dispatch(make, backend, interpret, q, k, w, start, limit)

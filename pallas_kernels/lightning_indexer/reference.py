@@ -9,12 +9,17 @@ d indexer head dim (d_i), k top-k. The caller folds the scales into the inputs
 (d_i**-0.5 into q, h_i**-0.5 into w): `ReLU(c*x) = c*ReLU(x)` for c > 0.
 
 Query i of a block of t queries sits at absolute position `s - t + i` (prefill:
-t == s; decode / chunked prefill: t < s) and may see keys j <= s - t + i.
+t == s; decode / chunked prefill: t < s) and by default may see keys
+j <= s - t + i (`causal_limit`). A caller may instead pass the last visible key
+per query, `limit`: int32 [t] (shared by the batch: context parallelism's
+permuted rows) or [b, t] (per row: b sequences over a KV cache, each with its t
+new queries at its own positions); with `start` [b, t], query i of row b sees
+keys start[b, i] <= j <= limit[b, i], and sees nothing when start > limit.
 
-Determinism (design.md decision 5): the selection is ordered by descending
-score, ties broken by the LOWER key position, and slots beyond the number of
-causal keys hold -1. `deterministic_topk` is the one function that implements
-this rule; the trainer, the rollout engine and every kernel use it.
+Determinism: the selection is ordered by descending score, ties broken by the
+LOWER key position, and slots beyond the number of visible keys hold -1.
+`deterministic_topk` is the one function that implements this rule and the
+visibility window; the trainer, the rollout engine and every kernel use it.
 
 `topk_indices_reference` processes queries in chunks (`lax.map`), so peak
 memory is O(b * chunk * s), never the full [t, s] score matrix.
@@ -38,12 +43,14 @@ def causal_limit(t: int, s: int):
   return jnp.arange(t, dtype=jnp.int32) + (s - t)
 
 
-def deterministic_topk(scores_bts, limit_t, topk: int, start_bt=None):
-  """Top-k over keys start[b, t] <= j <= limit[t], ties -> lower j, -1 where fewer keys exist.
+def deterministic_topk(scores_bts, limit, topk: int, start_bt=None):
+  """Top-k over keys start[b, i] <= j <= limit[(b,) i], ties -> lower j, -1 where fewer exist.
 
   Args:
-    scores_bts: [b, t, s] float scores (finite on visible keys).
-    limit_t: [t] int32, last visible key per query (from `causal_limit`).
+    scores_bts: [b, t, s] float scores (finite on visible keys; any value,
+      -inf included, on invisible ones).
+    limit: int32 [t] (every row alike; e.g. `causal_limit`) or [b, t] (per
+      row), the last visible key per query.
     topk: number of slots.
     start_bt: optional [b, t] int32, first visible key per query (packed
       documents: the query's document start); default 0.
@@ -53,7 +60,10 @@ def deterministic_topk(scores_bts, limit_t, topk: int, start_bt=None):
   """
   s = scores_bts.shape[-1]
   pos_s = jnp.arange(s, dtype=jnp.int32)
-  visible = (pos_s[None, :] <= limit_t[:, None])[None]
+  if limit.ndim == 1:
+    visible = (pos_s[None, :] <= limit[:, None])[None]
+  else:
+    visible = pos_s[None, None, :] <= limit[..., None]
   if start_bt is not None:
     visible = visible & (pos_s[None, None, :] >= start_bt[..., None])
   masked = jnp.where(visible, scores_bts.astype(jnp.float32), -jnp.inf)
@@ -88,8 +98,10 @@ def topk_indices_reference(q, k, w, topk: int, *, chunk_size: int = 512, start=N
     topk: slots per query.
     chunk_size: queries scored at once; peak memory O(b * chunk * s).
     start: optional [b, t] int32 first visible key per query (packed documents).
-    limit: optional [t] int32 last visible key per query (default `causal_limit`; context
-      parallelism's permuted rows pass each query's natural position).
+    limit: optional int32 [t] or [b, t], last visible key per query (default
+      `causal_limit`; context parallelism's permuted rows pass each query's
+      natural position as [t]; a KV-cache forward passes each row's own
+      positions as [b, t]).
 
   Returns:
     int32 [b, t, topk].
@@ -99,7 +111,10 @@ def topk_indices_reference(q, k, w, topk: int, *, chunk_size: int = 512, start=N
   c = max(1, min(chunk_size, t))
   n_chunks = -(-t // c)
   limit = causal_limit(t, s) if limit is None else limit.astype(jnp.int32)
-  limit = _pad_to(limit, 0, c).reshape(n_chunks, c)
+  if limit.ndim == 1:
+    limit = _pad_to(limit, 0, c).reshape(n_chunks, c)
+  else:                                     # [b, t] -> [n, b, c], like start
+    limit = _pad_to(limit, 1, c).reshape(b, n_chunks, c).swapaxes(0, 1)
   q_c = _pad_to(q, 1, c).reshape(b, n_chunks, c, *q.shape[2:]).swapaxes(0, 1)
   w_c = _pad_to(w, 1, c).reshape(b, n_chunks, c, w.shape[-1]).swapaxes(0, 1)
   start = jnp.zeros((b, t), jnp.int32) if start is None else start.astype(jnp.int32)

@@ -1,0 +1,153 @@
+"""The paged latent KV cache, as the model reads and writes it.
+
+Per layer the cache holds, per token, only what MLA + DSA need again (paper §2.1): the
+latent row `kv = [c_kv | k_rope]` (kv_lora + qk_rope values, shared by all heads) and, on
+layers with their own indexer, the lightning-indexer key `k_idx` (float32, as the indexer
+computes it). Nothing per head.
+
+Rows live in a *pool* of `num_rows = num_blocks * block_size` rows shared by every
+request; a request's logical position j lives at physical row `rows[b, j]`, which the
+inference engine derives from its block table (`block_rows`). The model sees:
+
+    cache   {"layers": {stack: {layer_j: {"kv": [R, N, c+p], "k_idx": [R, N, d_i]}}},
+             "mtp": {"kv": [N, c+p], "k_idx": [N, d_i]} or None}
+            (R: the stack's scan length, N: pool rows; the layout of the parameters)
+    CacheIndex(write_bt, read_bs, limit_bt)
+            write_bt  int32 [b, t]  pool row of each new token (>= N: not written, padding)
+            read_bs   int32 [b, s]  pool row of logical positions 0 .. s-1 of each sequence
+            limit_bt  int32 [b, t]  last logical position each new token may see (its own)
+
+A forward over the cache first writes the new tokens' rows, then gathers each
+sequence's view `pool[read_bs]` and attends within it, query i seeing view positions
+0 .. limit[b, i]: new tokens see the cached prefix, each other causally, and nothing
+beyond (stale or foreign rows past the limit are never selected).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from glm5_jax import sharding as shd
+
+
+class CacheIndex(NamedTuple):
+  """Where a chunk of new tokens goes and what each sequence sees (module docstring)."""
+  write_bt: Any
+  read_bs: Any
+  limit_bt: Any
+
+
+def layer_cache(cfg, num_rows: int, has_indexer: bool, lead=()):
+  """Zeros {'kv': [*lead, N, c + p] cfg.dtype, 'k_idx': [*lead, N, d_i] float32 (if indexed)}."""
+  out = {"kv": jnp.zeros((*lead, num_rows, cfg.kv_lora_rank + cfg.qk_rope_head_dim), cfg.dtype)}
+  if has_indexer:
+    out["k_idx"] = jnp.zeros((*lead, num_rows, cfg.index_head_dim), jnp.float32)
+  return out
+
+
+def init_cache(cfg, num_rows: int, with_mtp: bool = False):
+  """An empty pool of `num_rows` rows for every decoder layer (and the MTP layer)."""
+  from glm5_jax.nn import layer_stack  # pylint: disable=g-import-not-at-top (layer_stack -> mla -> here)
+  layers = {}
+  for st in layer_stack.layer_stacks(cfg):
+    layers[st.name] = {f"layer_{j}": layer_cache(cfg, num_rows, kind.has_indexer, (st.repeats,))
+                       for j, kind in enumerate(st.block)}
+  mtp = layer_cache(cfg, num_rows, True) if with_mtp and cfg.num_nextn_predict_layers else None
+  return {"layers": layers, "mtp": mtp}
+
+
+def _write_local(pool_nx, rows_btx, write_bt):
+  return pool_nx.at[write_bt].set(rows_btx.astype(pool_nx.dtype), mode="drop")
+
+
+def _read_local(pool_nx, read_bs):
+  return jnp.take(pool_nx, read_bs, axis=0, mode="clip")
+
+
+def request_axes(num_rows: int, batch: int):
+  """The mesh's batch axes that split the pool over requests, or None (no mesh / one device).
+
+  Under a mesh (the engine's sharded serving) the pool's rows and the batch are split
+  over the same axes: shard i holds pool rows [i N/n, (i+1) N/n) and the requests of
+  batch rows [i b/n, (i+1) b/n), whose blocks the engine allocates from that shard only.
+  Reads and writes then stay on their shard (`shard_map`).
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return None
+  axes = tuple(a for a in shd.BATCH_AXES if a in mesh.shape and mesh.shape[a] > 1)
+  n = math.prod(mesh.shape[a] for a in axes)
+  if not axes or num_rows % n or batch % n:
+    return None
+  return axes
+
+
+def _on_shards(fn, pool_nx, rows_b, rows_idx, axes):
+  """fn(local pool, rows, local row indices) on each shard; indices of other shards are
+  moved out of range (writes dropped; reads of them never happen)."""
+  def local(pool, x, idx):
+    n_local = pool.shape[0]
+    idx = idx - jax.lax.axis_index(axes) * n_local
+    idx = jnp.where((idx >= 0) & (idx < n_local), idx, n_local)
+    return fn(pool, x, idx)
+  spec = P(axes)
+  return jax.shard_map(local, in_specs=(spec, spec, spec), out_specs=spec,
+                       check_vma=False)(pool_nx, rows_b, rows_idx)
+
+
+def write(pool_nx, rows_btx, write_bt):
+  """pool[write[b, i]] = rows[b, i]; rows whose target is out of range are dropped."""
+  axes = request_axes(pool_nx.shape[0], write_bt.shape[0])
+  if axes is None:
+    return _write_local(pool_nx, rows_btx, write_bt)
+  return _on_shards(_write_local, pool_nx, rows_btx, write_bt, axes)
+
+
+def read(pool_nx, read_bs):
+  """Each sequence's view [b, s, x] of the pool."""
+  axes = request_axes(pool_nx.shape[0], read_bs.shape[0])
+  if axes is None:
+    return _read_local(pool_nx, read_bs)
+  return _on_shards(lambda pool, _, idx: _read_local(pool, idx), pool_nx, read_bs, read_bs,
+                    axes)
+
+
+def block_rows(table_bm, block_size: int):
+  """int32 [b, m * block_size]: pool row of every logical position of each block table."""
+  j = jnp.arange(table_bm.shape[1] * block_size, dtype=jnp.int32)
+  return table_bm[:, j // block_size] * block_size + j % block_size
+
+
+def chunk_index(table_bm, block_size: int, start_b, n_valid_b, t: int, num_rows: int,
+                first_valid_b=None) -> CacheIndex:
+  """CacheIndex for tokens at logical positions start[b] .. start[b] + t - 1, n_valid[b] real.
+
+  first_valid_b: optional int32 [b]; tokens before it are not written either (a row that
+  is already in the cache, or position -1).
+  """
+  read_bs = block_rows(table_bm, block_size)
+  s = read_bs.shape[1]
+  i_t = jnp.arange(t, dtype=jnp.int32)
+  pos = start_b[:, None].astype(jnp.int32) + i_t[None, :]
+  ok = (i_t[None, :] < n_valid_b[:, None]) & (pos >= 0) & (pos < s)
+  if first_valid_b is not None:
+    ok &= i_t[None, :] >= first_valid_b[:, None]
+  rows = jnp.take_along_axis(read_bs, jnp.clip(pos, 0, s - 1), axis=1)
+  return CacheIndex(jnp.where(ok, rows, num_rows), read_bs, pos)
+
+
+def bytes_per_token(cfg, with_mtp: bool = False) -> dict[str, int]:
+  """Cache bytes per token: this latent cache vs a per-head expanded K/V cache."""
+  layers = cfg.num_hidden_layers + (1 if with_mtp and cfg.num_nextn_predict_layers else 0)
+  dsize = jnp.dtype(cfg.dtype).itemsize
+  n_idx = sum(cfg.indexer_type(i) == "full" for i in range(cfg.num_hidden_layers))
+  n_idx += layers - cfg.num_hidden_layers
+  idx_bytes = n_idx * cfg.index_head_dim * 4                        # float32 indexer keys
+  latent = layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dsize + idx_bytes
+  per_head = layers * cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim) * dsize
+  return {"latent": int(latent), "expanded_per_head": int(per_head + idx_bytes)}
