@@ -151,39 +151,37 @@ def test_group_copies_share_the_prompt_blocks_and_prefill_once(engine, reference
   assert again.num_cached_prompt_tokens == 16
 
 
-def test_short_request_returns_first_and_a_freed_slot_is_taken_next_step(cfg, params):
-  eng = Engine(cfg, params, max_batch=2, max_len=64, block_size=BLOCK, steps_per_sync=2)
+def test_short_request_returns_first_and_a_freed_slot_is_taken_next_step(engine, rng):
   sp = lambda n: SamplingParams(max_new_tokens=n, temperature=0.0)
-  long_id, = eng.submit([1, 2, 3], sp(30))
-  short_id, = eng.submit([4, 5], sp(3))
-  wait_id, = eng.submit([6, 7, 8], sp(8))
-  assert eng.running == []
+  prompt = lambda: rng.integers(0, 256, 3).tolist()
+  long_ids = [engine.submit(prompt(), sp(30))[0] for _ in range(2)]
+  short_id, = engine.submit(prompt(), sp(3))
+  wait_id, = engine.submit(prompt(), sp(8))             # 3 slots: this one waits
+  assert engine.running == []
   finished = []
   while not finished:
-    finished = eng.step()
-    assert wait_id not in eng.running or short_id in [o.request_id for o in finished]
+    finished = engine.step()
+    assert wait_id not in engine.running or short_id in [o.request_id for o in finished]
   assert [o.request_id for o in finished] == [short_id]
-  assert long_id in eng.running                             # the long one is still running
-  eng.step()
-  assert wait_id in eng.running                             # took the freed slot
-  outs = _drain(eng, [long_id, wait_id])
-  assert [len(o.token_ids) for o in outs] == [30, 8]
+  assert all(i in engine.running for i in long_ids)     # the long ones are still running
+  engine.step()
+  assert wait_id in engine.running                      # took the freed slot
+  outs = _drain(engine, long_ids + [wait_id])
+  assert [len(o.token_ids) for o in outs] == [30, 30, 8]
 
 
 def test_weight_swap_mid_request_reprefills_and_records_versions(
-    cfg, params, params_v1, reference, rng):
-  eng = Engine(cfg, jax.device_put(params), max_batch=2, max_len=MAX_LEN, block_size=BLOCK,
-               steps_per_sync=3)
-  sid = eng.new_session()
+    engine, params, params_v1, reference, rng):
+  sid = engine.new_session()
   turn1 = rng.integers(0, 256, 9).tolist()
-  first = eng.generate([turn1], SamplingParams(max_new_tokens=4), session_id=sid)[0]
+  first = engine.generate([turn1], SamplingParams(max_new_tokens=4), session_id=sid)[0]
   prompts = [rng.integers(0, 256, n).tolist() for n in (11, 6)]
-  ids = [eng.submit(p, SamplingParams(max_new_tokens=14, seed=5), record_topk=True)[0]
+  ids = [engine.submit(p, SamplingParams(max_new_tokens=20, seed=5), record_topk=True)[0]
          for p in prompts]
   for _ in range(3):
-    eng.step()
-  eng.update_params(jax.device_put(params_v1), version=1)
-  outs = _drain(eng, ids)
+    engine.step()
+  engine.update_params(jax.device_put(params_v1), version=1)
+  outs = _drain(engine, ids)
   for p, o in zip(prompts, outs):
     v = np.asarray(o.versions)
     assert 0 < (v == 0).sum() < len(v) and (np.diff(v) >= 0).all(), o.versions
@@ -197,13 +195,16 @@ def test_weight_swap_mid_request_reprefills_and_records_versions(
   # The session's cached conversation was computed under version 0: its next turn is
   # prefilled again under version 1.
   turn = rng.integers(0, 256, 5).tolist()
-  out = eng.generate([turn], SamplingParams(max_new_tokens=4), session_id=sid)[0]
+  out = engine.generate([turn], SamplingParams(max_new_tokens=4), session_id=sid)[0]
   conv = turn1 + first.token_ids + turn
-  assert eng.session_tokens(sid) == conv + out.token_ids
+  assert engine.session_tokens(sid) == conv + out.token_ids
   assert out.num_cached_prompt_tokens == 0 and out.versions == [1] * 4
   _check(reference, [(conv, out.token_ids)], [out], topk=False, p=params_v1)
+  engine.end_session(sid)
+  engine.update_params(params, version=0)               # the other tests' weights
 
 
+@pytest.mark.slow
 def test_idle_sessions_are_evicted_under_memory_pressure_and_reprefilled(cfg, params,
                                                                          reference, rng):
   eng = Engine(cfg, params, max_batch=2, max_len=48, block_size=BLOCK, num_blocks=8)
@@ -323,6 +324,7 @@ def test_no_recompilation_after_warmup_with_device_put_params(cfg, params, param
   assert [f._cache_size() for f in fns] == sizes
 
 
+@pytest.mark.slow
 def test_pallas_scorer_engine_matches_the_trainer(rng):
   """attention_impl="pallas" (interpret mode here): the engine's top-k comes from the same
   Pallas indexer scorer as the trainer's, over the cached keys with per-row limits."""
@@ -375,5 +377,6 @@ print("OK")
 """
 
 
+@pytest.mark.slow
 def test_sharded_engine_on_8_devices_equals_the_single_device_engine():
   fake_devices.run_script(_SHARDED_SCRIPT, devices=8, timeout=600)

@@ -17,7 +17,8 @@ from glm5_jax.nn import kv_cache
 @pytest.mark.parametrize("overrides", [
     dict(),
     dict(attention_type="dense"),
-    dict(indexer_types=("full", "shared", "full"), index_topk=4),
+    pytest.param(dict(indexer_types=("full", "shared", "full"), index_topk=4),
+                 marks=pytest.mark.slow),
 ], ids=["sparse", "dense", "index_share"])
 def test_chunked_cached_forward_equals_the_full_forward(overrides, rng):
   cfg = config_lib.get_preset("tiny", num_nextn_predict_layers=0, mtp_num_steps=0, **overrides)

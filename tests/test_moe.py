@@ -145,6 +145,7 @@ def test_moe_gather_path_equals_grouped_path_on_padded_batch(rng, monkeypatch):
       load_few, counts.astype(np.float32) / np.float32(3 * cfg.num_experts_per_tok))
 
 
+@pytest.mark.slow
 def test_moe_gather_path_gradients_equal_grouped_path(rng):
   cfg = config_lib.get_preset("tiny")
   module, params = _moe_and_params(rng, cfg)

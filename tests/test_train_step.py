@@ -18,7 +18,10 @@ def _changed(a, b):
   return {jax.tree_util.keystr(p): bool(jnp.any(x != y)) for (p, x), y in zip(fa, fb)}
 
 
-@pytest.mark.parametrize("stage", ["pretrain", "dsa_warmup", "dsa_sparse"])
+# dsa_warmup (dense attention + indexer KL, the indexer alone trains) runs by default;
+# pretrain and dsa_sparse are in the slow suite (`bash launch/local.sh slow`), ~35 s each.
+@pytest.mark.parametrize("stage", [pytest.param("pretrain", marks=pytest.mark.slow), "dsa_warmup",
+                                   pytest.param("dsa_sparse", marks=pytest.mark.slow)])
 def test_stage_trains_the_right_parameters(tiny_cfg, tiny_params, rng, stage):
   c = ml_collections.ConfigDict(dict(
       stage=stage, optimizer="muon_split", learning_rate=1e-2, adam_learning_rate=0.0,
