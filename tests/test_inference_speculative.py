@@ -72,6 +72,7 @@ def test_greedy_speculative_emits_the_plain_greedy_tokens(engine, target_logp, r
   assert all(1.0 <= o.acceptance_length <= 4.0 for o in outs)
 
 
+@pytest.mark.slow
 def test_speculative_session_turns_match_the_trainer(engine, target_logp, rng):
   sid = engine.new_session()
   turn1, turn2 = rng.integers(0, V, 9).tolist(), rng.integers(0, V, 5).tolist()
@@ -87,6 +88,7 @@ def test_speculative_session_turns_match_the_trainer(engine, target_logp, rng):
   engine.end_session(sid)
 
 
+@pytest.mark.slow
 def test_sampled_speculative_tokens_follow_the_target_distribution(engine, target_logp):
   """Chi-square goodness of fit of (t1, t2, t3) marginals, 2048 samples, fixed seeds.
 

@@ -13,6 +13,7 @@ and compiled inside the model by tests/test_kernels_aot.py.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from glm5_jax import nn as gnn
 from pallas_kernels import testing
@@ -55,6 +56,7 @@ def _loss_fn(cfg, tokens):
   return loss
 
 
+@pytest.mark.slow
 def test_pallas_gradients_equal_xla_gradients(tiny_cfg, tiny_params, tiny_tokens):
   # The training path: the loss (LM + MTP + indexer KL) differentiated through both kernels
   # (the indexer's pallas_call has no JVP rule: its inputs must be cut from autodiff).

@@ -187,6 +187,7 @@ def test_gradients_equal_the_unrolled_oracle(case):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.slow
 def test_a_muon_split_step_on_stacked_layers_equals_per_layer_steps(request):
   """Stacked leaves get Muon per layer (and per head, per expert): the `layers` axis is a
   batch axis of Newton–Schulz, never flattened into a matrix."""

@@ -96,6 +96,7 @@ def test_remat_gives_the_same_gradients(tiny_cfg, tiny_params, tiny_tokens):
     np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_host_init_follows_the_flax_initializers(tiny_cfg):
   cfg = tiny_cfg.replace(num_hidden_layers=2, num_nextn_predict_layers=0, mtp_num_steps=0)
   flax_p = gnn.init_params(cfg, 1, on_host=False)

@@ -37,6 +37,7 @@ def _metrics(workdir):
     return [json.loads(line) for line in f]
 
 
+@pytest.mark.slow
 def test_grpo_steps_match_the_engine_and_checkpoint(init_workdir, tmp_path):
   wd = str(tmp_path / "rl")
   c = _config(init_workdir)
