@@ -126,7 +126,6 @@ class _Request:
   session: _Session | None
   record_topk: bool
   tokens: list                   # conversation: cached rows, rows to prefill, the pending token
-  n_conv: int                    # len(tokens) at submit (conversation + prompt)
   budget: int
   leader: int | None = None      # the copy whose prefill this one waits for (n > 1)
   blocks: list = dataclasses.field(default_factory=list)
@@ -399,8 +398,8 @@ class Engine:
     ids = []
     for j in range(n):
       rid = next(self._ids)
-      r = _Request(rid, stream + j, sampling, session, record_topk, conv + prompt, total,
-                   budget, leader=ids[0] if ids else None,
+      r = _Request(rid, stream + j, sampling, session, record_topk, conv + prompt, budget,
+                   leader=ids[0] if ids else None,
                    topk={} if record_topk else None)
       self._requests[rid] = r
       self._waiting.append(r)
