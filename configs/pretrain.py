@@ -69,7 +69,10 @@ def get_config(arg=None):
   c.grad_clip = 1.0
   c.loss_chunk = 512                      # sequence chunk of the cross entropy
   c.bias_update_rate = 1e-3               # aux-loss-free routing-bias speed (DeepSeek-V3)
-  c.peak_tflops = 989.0                   # for the MFU estimate (H100/H200 bf16 dense)
+  c.peak_tflops = 989.0                   # per chip, for MFU (H100/H200 bf16 dense)
+  c.microbatches = 1                      # gradient accumulation: batch_size split in this many
+  c.profile_steps = ml_collections.FieldReference(None, field_type=list)  # e.g. [10, 13]: a
+                                          # jax.profiler trace of steps 10..12 in WORKDIR/profile
   c.tensorboard = True
 
   # Mesh sizes (one -1 = the rest of the devices) and the logical-axis rules.

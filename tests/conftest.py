@@ -5,8 +5,6 @@ from glm5_jax import numerics
 numerics.batch_invariant_cpu()   # before JAX starts (see glm5_jax/numerics.py)
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
-import zlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +12,8 @@ import pytest
 
 from glm5_jax import config as config_lib
 from glm5_jax import nn as gnn
+from tests import seeding
+from tests.seeding import pytest_runtest_makereport  # noqa: F401  (prints a failing test's seed)
 
 
 @pytest.fixture(scope="session")
@@ -42,5 +42,6 @@ def tiny_forward(tiny_cfg):
 
 @pytest.fixture
 def rng(request):
-  """A numpy Generator seeded by the test's node id, so any failure replays."""
-  return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+  """A numpy Generator seeded by the test's node id, so any failure replays (tests/seeding.py);
+  a failing test's report prints the seed."""
+  return np.random.default_rng(seeding.seed_of(request.node.nodeid))

@@ -12,13 +12,14 @@ both, and tests/test_kernels_aot.py compiles the TPU kernels under a mesh.
 import textwrap
 
 from tests import fake_devices
+from tests import seeding
 
 _SCRIPT = textwrap.dedent("""
   import jax, jax.numpy as jnp, numpy as np
   from glm5_jax import sharding as shd
   from glm5_jax.nn import dsa_kernels
   from pallas_kernels import lightning_indexer, sparse_attention
-  rng = np.random.default_rng()
+  rng = np.random.default_rng(SEED)
   b, t, h, d, v, topk = 4, 40, 4, 24, 16, 12
   h_i, d_i = 2, 8
   normal = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
@@ -59,4 +60,4 @@ _SCRIPT = textwrap.dedent("""
 
 
 def test_kernels_under_a_mesh_equal_one_device():
-  fake_devices.run_script(_SCRIPT, devices=8)
+  fake_devices.run_script(_SCRIPT.replace("SEED", str(seeding.seed())), devices=8)

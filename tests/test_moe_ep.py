@@ -6,12 +6,13 @@ Runs in a subprocess with 8 fake CPU devices (the device count is fixed at jax i
 import textwrap
 
 from tests import fake_devices
+from tests import seeding
 
 _SCRIPT = textwrap.dedent("""
   import jax, jax.numpy as jnp, numpy as np
   from glm5_jax import sharding as shd
   from glm5_jax.nn import moe, moe_ep
-  rng = np.random.default_rng()
+  rng = np.random.default_rng(SEED)
   n, d, i, e, k = 48, 8, 6, 8, 2
   x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
   ids = jnp.asarray(np.stack([rng.choice(e, k, replace=False, p=[.5] + [.5 / 7] * 7)
@@ -42,4 +43,4 @@ _SCRIPT = textwrap.dedent("""
 
 
 def test_all_to_all_dispatch_equals_grouped_matmuls_with_gradients():
-  fake_devices.run_script(_SCRIPT, devices=8)
+  fake_devices.run_script(_SCRIPT.replace("SEED", str(seeding.seed())), devices=8)

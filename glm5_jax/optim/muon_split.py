@@ -21,7 +21,8 @@ What goes where (`param_groups.py` has the rule table):
   (fixed)     `e_score_correction_bias` is set by the training loop from expert load, never
               by gradient: it gets a zero update (labelled "adamw" in `param_groups`).
 
-Update per Muon leaf (optax.contrib.scale_by_muon, then ours):
+Update per Muon leaf (`scale_by_muon` below: optax.contrib.scale_by_muon's momentum and
+Newton–Schulz, with layer stacks walked one layer at a time; then ours):
   m_t = β m_{t-1} + (1-β) g_t (bias-corrected; Nesterov: β m̂_t + (1-β) ĝ_t)
   O_t = NS5(m_t) per block      (quintic Newton–Schulz, coefficients 3.4445, -4.7750, 2.0315)
   W  ← W - lr_t (s · O_t + wd · W),  s = c · sqrt(max(fan_in, fan_out))   (Moonlight's
@@ -34,6 +35,13 @@ With `consistent_rms=None` the scale is Keller Jordan's `sqrt(max(1, fan_out / f
 AdamW leaves: decoupled weight decay only on matrices (embedding, output head), not on norm
 scales or biases. Frozen leaves (`frozen` mask) and fixed leaves get exactly zero updates and
 hold no optimizer state.
+
+Layer stacks: a scanned stack's leading `layers` axis is a batch axis of Newton–Schulz, but
+optax flattens all batch axes into one before it vmaps, which merges the unsharded `layers`
+axis with an `expert`- or head-sharded one: XLA then gathers the whole stack (at GLM-5's
+shapes, 577 GiB of temporaries for one `[75, 256, 6144, 2048]` expert weight, against 1 GiB
+one layer at a time; docs/long_context.md). `scale_by_muon` therefore runs Newton–Schulz
+under `lax.map` over the stack axes, one layer's blocks at a time; the result is the same.
 
 Sharding: the state mirrors the params (`state_shardings`). With heads sharded over a mesh
 axis, per-head Newton–Schulz is shard-local: the compiled update of a head-sharded `wq_b` holds
@@ -53,7 +61,9 @@ import jax
 import jax.numpy as jnp
 import optax
 from optax.contrib import MuonDimensionNumbers as MDN
-from optax.contrib import scale_by_muon
+from optax.contrib import MuonState
+# The Newton–Schulz iteration itself is optax's (not re-exported from optax.contrib).
+from optax.contrib._muon import orthogonalize_via_newton_schulz
 
 from glm5_jax.optim import param_groups as pg
 
@@ -75,6 +85,54 @@ def _scale(shape: tuple[int, ...], dims: MDN, consistent_rms: float | None) -> f
   if consistent_rms is None:
     return math.sqrt(max(1.0, fan_out / fan_in))
   return consistent_rms * math.sqrt(max(fan_in, fan_out))
+
+
+def scale_by_muon(*, ns_coeffs, ns_steps: int, beta: float, eps: float, mu_dtype: Any,
+                  nesterov: bool, dims_fn: Callable[[Any], Any]) -> optax.GradientTransformation:
+  """optax.contrib.scale_by_muon (same state, same update) with per-layer Newton–Schulz.
+
+  `dims_fn(updates)` gives each leaf's `pg.Rule`; its `dims` (with the stack axes) are what
+  optax would get, its `stacked` leading axes are walked with `lax.map`.
+  """
+  coeffs = jnp.asarray(ns_coeffs)
+
+  def init_fn(params):
+    return MuonState(count=jnp.zeros([], jnp.int32),
+                     mu=optax.tree.zeros_like(params, dtype=mu_dtype), ns_coeffs=coeffs)
+
+  def orthogonalize(x, dims: MDN, stacked: int):
+    if stacked == 0:
+      return orthogonalize_via_newton_schulz(x, coeffs.astype(x.dtype), ns_steps,
+                                             "frobenius", eps, dims)
+    inner = pg.shift_dims(dims, -1)
+    return jax.lax.map(lambda x_l: orthogonalize(x_l, inner, stacked - 1), x)
+
+  def update_fn(updates, state, params=None):
+    del params
+    mu = optax.tree.update_moment(updates, state.mu, beta, 1)
+    count = optax.safe_increment(state.count)
+    if nesterov:
+      mu_hat = jax.tree.map(lambda m, g: beta * m + (1 - beta) * g,
+                            optax.tree.bias_correction(mu, beta, optax.safe_increment(count)),
+                            optax.tree.bias_correction(updates, beta, count))
+    else:
+      mu_hat = optax.tree.bias_correction(mu, beta, count)
+    rules = dims_fn(mu_hat)
+    is_rule = lambda r: isinstance(r, pg.Rule)
+    leaves, treedef = jax.tree.flatten(mu_hat)
+    out = [orthogonalize(x, r.dims, r.stacked)
+           for x, r in zip(leaves, jax.tree.leaves(rules, is_leaf=is_rule))]
+    return (jax.tree.unflatten(treedef, out),
+            MuonState(count=count, mu=optax.tree.cast(mu, mu_dtype), ns_coeffs=state.ns_coeffs))
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _rules_fn(which: str) -> Callable[[Any], Any]:
+  """Each leaf's `pg.Rule`, with `dims` replaced by the whole-matrix dims when `which` is
+  'full' (muon_split leaves); MaskedNode subtrees (other groups) are kept as they are."""
+  return lambda tree: pg.map_rules(
+      lambda r, _: r._replace(dims=r.full_dims) if (which == "full" and r.full_dims) else r,
+      tree)
 
 
 def _dims_fn(which: str) -> Callable[[Any], Any]:
@@ -164,8 +222,7 @@ def muon_split(
   def muon_chain(ns_dims: str, scale_dims: str) -> optax.GradientTransformation:
     return optax.chain(
         scale_by_muon(ns_coeffs=ns_coeffs, ns_steps=ns_steps, beta=beta, eps=eps,
-                      mu_dtype=mu_dtype, nesterov=nesterov,
-                      weight_dimension_numbers=_dims_fn(ns_dims)),
+                      mu_dtype=mu_dtype, nesterov=nesterov, dims_fn=_rules_fn(ns_dims)),
         scale_by_shape(_dims_fn(scale_dims), consistent_rms),
         optax.add_decayed_weights(weight_decay),
         optax.scale_by_learning_rate(learning_rate),

@@ -100,7 +100,8 @@ def path_str(path: tuple[Any, ...]) -> str:
 _STACKED = _ANY + r"(dense|moe)_layers/"
 
 
-def _shift(dims: MDN | None, k: int) -> MDN | None:
+def shift_dims(dims: MDN | None, k: int) -> MDN | None:
+  """`dims` with every axis moved by `k` (k = -1: as seen on one slice of a layer stack)."""
   if dims is None or k == 0:
     return dims
   move = lambda a: tuple(x + k for x in a) if isinstance(a, tuple) else a + k
@@ -108,8 +109,8 @@ def _shift(dims: MDN | None, k: int) -> MDN | None:
 
 
 def _stacked(rule: Rule) -> Rule:
-  return rule._replace(ndim=rule.ndim + 1, dims=_shift(rule.dims, 1),
-                       full_dims=_shift(rule.full_dims, 1), stacked=rule.stacked + 1)
+  return rule._replace(ndim=rule.ndim + 1, dims=shift_dims(rule.dims, 1),
+                       full_dims=shift_dims(rule.full_dims, 1), stacked=rule.stacked + 1)
 
 
 def classify(path: str, shape: tuple[int, ...]) -> Rule:
