@@ -71,8 +71,8 @@ def get_config(arg=None):
   c.bias_update_rate = 1e-3               # aux-loss-free routing-bias speed (DeepSeek-V3)
   c.peak_tflops = 989.0                   # per chip, for MFU (H100/H200 bf16 dense)
   c.microbatches = 1                      # gradient accumulation: batch_size split in this many
-  c.profile_steps = ml_collections.FieldReference(None, field_type=list)  # e.g. [10, 13]: a
-                                          # jax.profiler trace of steps 10..12 in WORKDIR/profile
+  c.profile_steps = ()                    # '(10, 13)': a jax.profiler trace of steps 10..12
+                                          # in WORKDIR/profile; () = none
   c.tensorboard = True
 
   # Mesh sizes (one -1 = the rest of the devices) and the logical-axis rules.

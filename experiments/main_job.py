@@ -3,7 +3,8 @@ r"""The main job: prepare the corpus, pretrain, DSA warm-up, DSA sparse adaptati
   python -m experiments.main_job --config=configs/main_job.py --workdir=workdir/main
 
 Ends with a summary table (held-out bits per byte per stage, indexer KL,
-tokens/s) and WORKDIR/loss_curves.png.
+tokens/s) and WORKDIR/loss_curves.png. SIGTERM checkpoints the running stage and exits 0
+before any later stage; the same command again continues where it stopped.
 """
 
 from glm5_jax import numerics

@@ -1,6 +1,8 @@
 r"""Pretraining entry point (every stage).
 
   python -m experiments.pretrain --config=configs/pretrain.py:model=tiny,runlocal=True --workdir=/tmp/glm5
+
+SIGTERM (on any process) checkpoints and exits 0; the same command resumes exactly.
 """
 
 from absl import app

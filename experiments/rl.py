@@ -2,6 +2,8 @@ r"""Reasoning RL entry point (synchronous GRPO + IcePop, optional on-policy dist
 
   python -m experiments.rl --config=configs/rl.py:task=arith,runlocal=True \
       --config.init_from=/tmp/sft --workdir=/tmp/rl
+
+SIGTERM (on any process) checkpoints and exits 0; the same command resumes exactly.
 """
 
 from glm5_jax import numerics

@@ -43,12 +43,15 @@ def load(checkpoint, preset):
   if checkpoint is None:
     cfg = config_lib.get_preset(preset)
     return cfg, gnn.init_params(cfg, 0)
-  return train_checkpoint.load_model(checkpoint)
+  return train_checkpoint.load_model(checkpoint, what="checkpoint")
 
 
 def main(argv):
   del argv
-  cfg, params = load(_CHECKPOINT.value, _PRESET.value)
+  try:
+    cfg, params = load(_CHECKPOINT.value, _PRESET.value)
+  except (FileNotFoundError, ValueError) as e:      # a missing or corrupt checkpoint: one line
+    raise SystemExit(f"error: {e}") from None
   if _PROMPT_IDS.value:
     prompt = [int(t) for t in _PROMPT_IDS.value]
   else:

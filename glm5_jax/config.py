@@ -82,6 +82,8 @@ class ModelConfig:
   remat: str = "none"                     # "none" | "full" | "save_dots"
   expert_dispatch: str = "all_to_all"     # with a mesh whose `expert` axis > 1 (nn/moe_ep.py);
                                           # "gspmd" leaves the dispatch to the partitioner
+  moe_capacity_factor: float = 0.0        # all_to_all: 0 = dropless; c > 0 = at most
+                                          # ceil(c n K / ep) rows per shard pair, rest dropped
 
   def __post_init__(self):
     if isinstance(self.eos_token_id, list):
@@ -225,8 +227,9 @@ def _validate(c: ModelConfig) -> None:
     v = getattr(c, f)
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
       _err(f, v, "expected a positive integer")
-  if c.index_topk < 1:
-    _err("index_topk", c.index_topk, "expected >= 1")
+  if not isinstance(c.index_topk, int) or isinstance(c.index_topk, bool) or c.index_topk < 1:
+    _err("index_topk", c.index_topk, "expected an integer >= 1 (a value above the number of "
+         "keys is clamped to it, nn/indexer.py num_slots)")
   if c.qk_rope_head_dim % 2:
     _err("qk_rope_head_dim", c.qk_rope_head_dim, "RoPE rotates pairs: expected an even number")
   if c.index_head_dim < c.qk_rope_head_dim:
@@ -261,6 +264,9 @@ def _validate(c: ModelConfig) -> None:
          "expected 0 or 1 (GLM-5 stores one MTP layer and shares it over mtp_num_steps)")
   if c.mtp_num_steps < 0:
     _err("mtp_num_steps", c.mtp_num_steps, "expected >= 0")
+  if not (isinstance(c.moe_capacity_factor, (int, float)) and c.moe_capacity_factor >= 0):
+    _err("moe_capacity_factor", c.moe_capacity_factor,
+         "expected a float >= 0 (0 = dropless; GShard / Switch use 1.0-1.25)")
   if c.scoring_func != "sigmoid":
     _err("scoring_func", c.scoring_func, "expected 'sigmoid'")
   if c.topk_method != "noaux_tc":

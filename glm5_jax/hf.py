@@ -1,4 +1,4 @@
-"""Load and save Hugging Face GLM-5 (`glm_moe_dsa`) checkpoints.
+"""Load and save Hugging Face GLM-5 (`glm_moe_dsa`) checkpoints, whole or sharded on a mesh.
 
 Checkpoint layout (spec §1): torch Linear weights are [out, in]; routed experts
 are stored per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`); the MTP
@@ -7,23 +7,30 @@ layer is `model.layers.{num_hidden_layers}.*` with `enorm`, `hnorm`, `eh_proj`,
 expert layout (`mlp.experts.gate_up_proj [E, 2I, d]`, `mlp.experts.down_proj
 [E, d, I]`) is accepted on load too.
 
-    cfg, params = load_pretrained("path/to/dir")
+    cfg, params = load_pretrained("path/to/dir")                   # one host-side tree
+    cfg, params = load_pretrained("path/to/dir", mesh=mesh)        # global arrays, sharded
     save_pretrained(cfg, params, "out_dir")      # transformers loads it
 
-Loading reads one tensor at a time (safetensors `safe_open`), converts it and
-drops it, so host memory holds the converted parameters plus one tensor.
+Every parameter leaf is a table of *views* of HF tensors: leaf[lead] =
+HF.reshape(split)[box].transpose(perm), `lead` the stacked `layers` axis (and the
+expert axis for per-expert tensors). A requested block of a leaf reads only the rows
+of the HF tensors it needs (`safetensors_io.read_rows`), so a process loading onto a
+mesh holds its own shards plus one tensor (docs/checkpoints.md). Saving inverts the
+views one HF tensor at a time.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
-from typing import Any, Iterator
+from typing import Any, NamedTuple
 
 import numpy as np
 from absl import logging
 
+from glm5_jax import safetensors_io as sio
 from glm5_jax.config import ModelConfig
 
 _INDEX = "model.safetensors.index.json"
@@ -33,147 +40,267 @@ _MTP_SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
 
 
 # --------------------------------------------------------------------------------------
-# Name map: HF tensor name -> (our param path, converter to our layout)
+# Views: one parameter block as a reshaped, sliced, transposed HF tensor
 # --------------------------------------------------------------------------------------
 
-def _t(w):
-  return np.ascontiguousarray(w.T)
+class _View(NamedTuple):
+  """ours = HF.reshape(split)[box].transpose(perm); split = the `groups` concatenated.
+
+  groups[k]: how HF axis k splits, row-major; box: (begin, end) per split axis.
+  """
+  groups: tuple
+  box: tuple
+  perm: tuple
+
+  @property
+  def hf_shape(self) -> tuple:
+    return tuple(math.prod(g) for g in self.groups)
+
+  @property
+  def shape(self) -> tuple:
+    return tuple(self.box[p][1] - self.box[p][0] for p in self.perm)
 
 
-class _Reshaped:
-  """ours = W^T.reshape(shape); W^T is 2-D `[rows, cols]`; invertible for saving."""
-
-  def __init__(self, rows: int, cols: int, shape: tuple):
-    self.rows, self.cols, self.shape = rows, cols, shape
-
-  def __call__(self, w):
-    return _t(w).reshape(self.shape)
-
-  def inverse(self, x):
-    return _t(np.asarray(x).reshape(self.rows, self.cols))
+def _view(groups, perm, box=None) -> _View:
+  split = [s for g in groups for s in g]
+  box = box or {}
+  return _View(tuple(map(tuple, groups)), tuple(box.get(i, (0, s)) for i, s in enumerate(split)),
+               tuple(perm))
 
 
-def _layer_map(cfg: ModelConfig, hf: str, ours: tuple, moe: bool, indexer: bool):
-  """{hf_name: (path, convert)} for one decoder layer (prefix `hf`, path prefix `ours`)."""
+def _same(*shape) -> _View:
+  return _view([(s,) for s in shape], range(len(shape)))
+
+
+def _t(out: int, inp: int) -> _View:
+  """torch Linear [out, in] -> ours [in, out]."""
+  return _view([(out,), (inp,)], (1, 0))
+
+
+class _Entry(NamedTuple):
+  hf: str          # HF tensor name
+  path: tuple      # our leaf path in the model's (stacked) tree
+  lead: tuple      # index into the leaf's leading axes (layers, experts)
+  view: _View
+
+
+def _layer_entries(cfg: ModelConfig, hf: str, path, lead, moe: bool, indexer: bool,
+                   fused: bool):
+  """Entries of one decoder layer with HF prefix `hf`, leaves under `path`, at `lead`."""
   h, n, p, v = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
                 cfg.v_head_dim)
   r, c, d = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.hidden_size
   hi, di = cfg.index_n_heads, cfg.index_head_dim
   a = f"{hf}.self_attn"
-  m = {
-      f"{hf}.input_layernorm.weight": (ours + ("input_norm", "scale"), None),
-      f"{hf}.post_attention_layernorm.weight": (ours + ("post_attention_norm", "scale"), None),
-      f"{a}.q_a_proj.weight": (ours + ("attn", "wq_a"), _t),
-      f"{a}.q_a_layernorm.weight": (ours + ("attn", "q_norm", "scale"), None),
-      f"{a}.q_b_proj.weight": (ours + ("attn", "wq_b"), _Reshaped(r, h * (n + p), (r, h, n + p))),
-      f"{a}.kv_a_proj_with_mqa.weight": (ours + ("attn", "wkv_a"), _t),
-      f"{a}.kv_a_layernorm.weight": (ours + ("attn", "kv_norm", "scale"), None),
-      f"{a}.kv_b_proj.weight": (ours + ("attn",), "kv_b"),
-      f"{a}.o_proj.weight": (ours + ("attn", "wo"), _Reshaped(h * v, d, (h, v, d))),
-  }
+  kv_b = [(h, n + v), (c,)]
+  table = [
+      (f"{hf}.input_layernorm.weight", ("input_norm", "scale"), _same(d)),
+      (f"{hf}.post_attention_layernorm.weight", ("post_attention_norm", "scale"), _same(d)),
+      (f"{a}.q_a_proj.weight", ("attn", "wq_a"), _t(r, d)),
+      (f"{a}.q_a_layernorm.weight", ("attn", "q_norm", "scale"), _same(r)),
+      (f"{a}.q_b_proj.weight", ("attn", "wq_b"), _view([(h, n + p), (r,)], (2, 0, 1))),
+      (f"{a}.kv_a_proj_with_mqa.weight", ("attn", "wkv_a"), _t(c + p, d)),
+      (f"{a}.kv_a_layernorm.weight", ("attn", "kv_norm", "scale"), _same(c)),
+      (f"{a}.kv_b_proj.weight", ("attn", "w_uk"), _view(kv_b, (2, 0, 1), {1: (0, n)})),
+      (f"{a}.kv_b_proj.weight", ("attn", "w_uv"), _view(kv_b, (2, 0, 1), {1: (n, n + v)})),
+      (f"{a}.o_proj.weight", ("attn", "wo"), _view([(d,), (h, v)], (1, 2, 0))),
+  ]
   if indexer:
-    ix = ours + ("attn", "indexer")
-    m.update({
-        f"{a}.indexer.wq_b.weight": (ix + ("wq_b",), _Reshaped(r, hi * di, (r, hi, di))),
-        f"{a}.indexer.wk.weight": (ix + ("wk",), _t),
-        f"{a}.indexer.k_norm.weight": (ix + ("k_norm", "scale"), None),
-        f"{a}.indexer.k_norm.bias": (ix + ("k_norm", "bias"), None),
-        f"{a}.indexer.weights_proj.weight": (ix + ("weights_proj",), _t),
-    })
+    table += [
+        (f"{a}.indexer.wq_b.weight", ("attn", "indexer", "wq_b"),
+         _view([(hi, di), (r,)], (2, 0, 1))),
+        (f"{a}.indexer.wk.weight", ("attn", "indexer", "wk"), _t(di, d)),
+        (f"{a}.indexer.k_norm.weight", ("attn", "indexer", "k_norm", "scale"), _same(di)),
+        (f"{a}.indexer.k_norm.bias", ("attn", "indexer", "k_norm", "bias"), _same(di)),
+        (f"{a}.indexer.weights_proj.weight", ("attn", "indexer", "weights_proj"), _t(hi, d)),
+    ]
   if not moe:
-    for proj in ("gate", "up", "down"):
-      m[f"{hf}.mlp.{proj}_proj.weight"] = (ours + ("mlp", f"w_{proj}"), _t)
-    return m
-  mo = ours + ("moe",)
-  m[f"{hf}.mlp.gate.weight"] = (mo + ("router", "kernel"), _t)
-  m[f"{hf}.mlp.gate.e_score_correction_bias"] = (mo + ("router", "e_score_correction_bias"), None)
-  for proj in ("gate", "up", "down"):
-    m[f"{hf}.mlp.shared_experts.{proj}_proj.weight"] = (mo + ("shared", f"w_{proj}"), _t)
-    for e in range(cfg.n_routed_experts):
-      m[f"{hf}.mlp.experts.{e}.{proj}_proj.weight"] = (mo + ("experts", f"w_{proj}"), ("expert", e))
-  return m
+    f = cfg.intermediate_size
+    table += [(f"{hf}.mlp.{q}_proj.weight", ("mlp", f"w_{q}"), w)
+              for q, w in (("gate", _t(f, d)), ("up", _t(f, d)), ("down", _t(d, f)))]
+  else:
+    e, i, s = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.n_shared_experts
+    m = f"{hf}.mlp"
+    table += [(f"{m}.gate.weight", ("moe", "router", "kernel"), _t(e, d)),
+              (f"{m}.gate.e_score_correction_bias", ("moe", "router", "e_score_correction_bias"),
+               _same(e))]
+    if s:
+      table += [(f"{m}.shared_experts.{q}_proj.weight", ("moe", "shared", f"w_{q}"), w)
+                for q, w in (("gate", _t(i * s, d)), ("up", _t(i * s, d)),
+                             ("down", _t(d, i * s)))]
+    if fused:                                         # [E, 2I, d] (gate rows first), [E, d, I]
+      gu, dn = [(e,), (2 * i,), (d,)], [(e,), (d,), (i,)]
+      table += [(f"{m}.experts.gate_up_proj", ("moe", "experts", "w_gate"),
+                 _view(gu, (0, 2, 1), {1: (0, i)})),
+                (f"{m}.experts.gate_up_proj", ("moe", "experts", "w_up"),
+                 _view(gu, (0, 2, 1), {1: (i, 2 * i)})),
+                (f"{m}.experts.down_proj", ("moe", "experts", "w_down"), _view(dn, (0, 2, 1)))]
+    else:
+      for x in range(e):
+        yield from (_Entry(f"{m}.experts.{x}.{q}_proj.weight", path + ("moe", "experts", f"w_{q}"),
+                           lead + (x,), w)
+                    for q, w in (("gate", _t(i, d)), ("up", _t(i, d)), ("down", _t(d, i))))
+  yield from (_Entry(name, path + rest, lead, w) for name, rest, w in table)
 
 
-def _name_map(cfg: ModelConfig) -> dict[str, tuple]:
-  m = {
-      "model.embed_tokens.weight": (("embed", "embedding"), None),
-      "model.norm.weight": (("final_norm", "scale"), None),
-      "lm_head.weight": (("lm_head", "kernel"), _t),
-  }
+def _entries(cfg: ModelConfig, *, mtp: bool, fused=frozenset()) -> list[_Entry]:
+  """All entries of the model; layers whose HF prefix is in `fused` use the fused experts."""
+  from glm5_jax.nn import layer_stack  # pylint: disable=g-import-not-at-top
+  d, vocab = cfg.hidden_size, cfg.vocab_size
+  out = [_Entry("model.embed_tokens.weight", ("embed", "embedding"), (), _same(vocab, d)),
+         _Entry("model.norm.weight", ("final_norm", "scale"), (), _same(d)),
+         _Entry("lm_head.weight", ("lm_head", "kernel"), (), _t(vocab, d))]
   for i in range(cfg.num_hidden_layers):
-    m.update(_layer_map(cfg, f"model.layers.{i}", (f"layers_{i}",), cfg.is_moe_layer(i),
-                        cfg.indexer_type(i) == "full"))
-  if cfg.num_nextn_predict_layers:
+    stack, rep, j = layer_stack.locate(cfg, i)
+    hf = f"model.layers.{i}"
+    out += _layer_entries(cfg, hf, (stack, f"layer_{j}"), (rep,), cfg.is_moe_layer(i),
+                          cfg.indexer_type(i) == "full", hf in fused)
+  if mtp:
     L = cfg.num_hidden_layers
     hf = f"model.layers.{L}"
-    m.update(_layer_map(cfg, hf, ("mtp", "layer"), cfg.is_moe_layer(L), True))
-    m.update({
-        f"{hf}.enorm.weight": (("mtp", "enorm", "scale"), None),
-        f"{hf}.hnorm.weight": (("mtp", "hnorm", "scale"), None),
-        f"{hf}.eh_proj.weight": (("mtp", "eh_proj"), _t),
-        f"{hf}.shared_head.norm.weight": (("mtp", "head_norm", "scale"), None),
-    })
-  return m
+    out += _layer_entries(cfg, hf, ("mtp", "layer"), (), cfg.is_moe_layer(L), True, hf in fused)
+    out += [_Entry(f"{hf}.enorm.weight", ("mtp", "enorm", "scale"), (), _same(d)),
+            _Entry(f"{hf}.hnorm.weight", ("mtp", "hnorm", "scale"), (), _same(d)),
+            _Entry(f"{hf}.eh_proj.weight", ("mtp", "eh_proj"), (), _t(d, 2 * d)),
+            _Entry(f"{hf}.shared_head.norm.weight", ("mtp", "head_norm", "scale"), (), _same(d))]
+  return out
+
+
+def _leaves(entries) -> dict[tuple, np.ndarray]:
+  """{leaf path: object array [*lead] of (HF name, view)}."""
+  by_path: dict[tuple, list] = {}
+  for e in entries:
+    by_path.setdefault(e.path, []).append(e)
+  out = {}
+  for path, es in by_path.items():
+    lead = tuple(max(e.lead[k] for e in es) + 1 for k in range(len(es[0].lead)))
+    table = np.empty(lead, object)
+    for e in es:
+      table[e.lead] = (e.hf, e.view)
+    out[path] = table
+  return out
+
+
+def _leaf_shape(table: np.ndarray) -> tuple:
+  return table.shape + table.flat[0][1].shape
 
 
 # --------------------------------------------------------------------------------------
 # Reading
 # --------------------------------------------------------------------------------------
 
-def _shard_files(path: str) -> dict[str, str]:
-  """{tensor name: file} from the index, or from the single safetensors file."""
-  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
-  index = os.path.join(path, _INDEX)
-  if os.path.exists(index):
-    with open(index) as f:
-      return {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
-  single = os.path.join(path, _SINGLE)
-  if os.path.exists(single):
-    with safe_open(single, "numpy") as f:
-      return {k: single for k in f.keys()}
-  raise FileNotFoundError(f"{path}: neither {_INDEX} nor {_SINGLE} found")
+def _read_view(info: sio.TensorInfo, v: _View, box) -> np.ndarray:
+  """ours[box] for ours = view of the HF tensor `info`; reads only the rows it needs."""
+  split_box = list(v.box)
+  for k, p in enumerate(v.perm):
+    split_box[p] = (v.box[p][0] + box[k][0], v.box[p][0] + box[k][1])
+  inner = math.prod(v.groups[0][1:])
+  x = sio.read_rows(info, split_box[0][0] * inner, split_box[0][1] * inner)
+  shape = [split_box[0][1] - split_box[0][0]] + [s for g in v.groups for s in g][1:]
+  index = (slice(None),) + tuple(slice(*b) for b in split_box[1:])
+  return x.reshape(shape)[index].transpose(v.perm)
 
 
-def _iter_tensors(files: dict[str, str]) -> Iterator[tuple[str, np.ndarray]]:
-  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
-  by_file: dict[str, list[str]] = {}
-  for name, f in files.items():
-    by_file.setdefault(f, []).append(name)
-  for f, names in sorted(by_file.items()):
-    with safe_open(f, "numpy") as reader:
-      for name in sorted(names):
-        yield name, reader.get_tensor(name)
-
-
-def _set(tree: dict, path: tuple, value):
-  for k in path[:-1]:
-    tree = tree.setdefault(k, {})
-  tree[path[-1]] = value
-
-
-def _get(tree: dict, path: tuple):
-  for k in path:
-    tree = tree[k]
-  return tree
-
-
-def _fused_expert_names(cfg: ModelConfig, names) -> dict[str, tuple]:
-  """transformers' in-memory fused layout: {name: (moe path, kind)}."""
-  out = {}
-  layers = [(f"model.layers.{i}", (f"layers_{i}", "moe")) for i in range(cfg.num_hidden_layers)
-            if cfg.is_moe_layer(i)]
-  if cfg.num_nextn_predict_layers:
-    layers.append((f"model.layers.{cfg.num_hidden_layers}", ("mtp", "layer", "moe")))
-  for hf, ours in layers:
-    for kind in ("gate_up_proj", "down_proj"):
-      name = f"{hf}.mlp.experts.{kind}"
-      if name in names:
-        out[name] = (ours, kind)
+def _read_block(table: np.ndarray, infos, box, dtype, path) -> np.ndarray:
+  """leaf[box] (box: (begin, end) per axis) from the HF tensors of `table`, as `dtype`."""
+  nl = table.ndim
+  out = np.empty([b - a for a, b in box], dtype)
+  for lead in np.ndindex(*[b - a for a, b in box[:nl]]):
+    name, v = table[tuple(a + i for (a, _), i in zip(box, lead))]
+    x = _read_view(infos[name], v, box[nl:])
+    if not np.isfinite(x).all():
+      raise ValueError(f"{infos[name].file}: tensor {name!r} holds non-finite values (NaN or "
+                       f"inf) in the block read for {'/'.join(path)}")
+    out[lead] = x
   return out
 
 
+def _box(index, shape):
+  return [s.indices(n)[:2] if isinstance(s, slice) else (s, s + 1)
+          for s, n in zip(tuple(index) + (slice(None),) * (len(shape) - len(index)), shape)]
+
+
+def _read_config(path: str, overrides: dict) -> tuple[dict, ModelConfig]:
+  file = os.path.join(path, "config.json")
+  try:
+    with open(file) as f:
+      hf_cfg = json.load(f)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{file} is not valid JSON: {e}") from e
+  if not isinstance(hf_cfg, dict):
+    raise ValueError(f"{file}: expected a JSON object, got {type(hf_cfg).__name__}")
+  return hf_cfg, ModelConfig.from_hf(hf_cfg, **overrides)
+
+
+def _tensor_infos(path: str) -> dict[str, sio.TensorInfo]:
+  """{tensor name: TensorInfo} from the index, or from the single safetensors file."""
+  index = os.path.join(path, _INDEX)
+  if os.path.exists(index):
+    with open(index) as f:
+      weight_map = json.load(f)["weight_map"]
+  elif os.path.exists(os.path.join(path, _SINGLE)):
+    weight_map = None
+  else:
+    raise FileNotFoundError(f"{path}: neither {_INDEX} nor {_SINGLE} found")
+  files = sorted(set(weight_map.values())) if weight_map else [_SINGLE]
+  infos = {}
+  for f in files:
+    infos.update(sio.read_header(os.path.join(path, f)))
+  if weight_map:
+    lost = sorted(k for k in weight_map if k not in infos)
+    if lost:
+      raise ValueError(f"{index} lists tensors that its files do not hold: {lost[:20]}")
+    infos = {k: infos[k] for k in weight_map}
+  return infos
+
+
+def _check_tensors(hf_cfg: dict, leaves, infos) -> None:
+  """Every tensor a float of the shape its view expects; errors name file, tensor, field."""
+  want = {name: v.hf_shape for t in leaves.values() for name, v in t.flat}
+  problems = []
+  for name in sorted(want):
+    info = infos[name]
+    if info.dtype not in sio.FLOAT_DTYPES:
+      problems.append(f"{info.file}: tensor {name!r} has dtype {info.dtype}; expected one of "
+                      f"{sio.FLOAT_DTYPES}")
+    elif info.shape != want[name]:
+      hint = "".join(
+          f"; dim {k} is {g}, config.json gives {w}"
+          f" ({', '.join(f for f, x in hf_cfg.items() if x == w) or 'a product of fields'})"
+          for k, (g, w) in enumerate(zip(info.shape, want[name])) if g != w)
+      problems.append(f"{info.file}: tensor {name!r} has shape {list(info.shape)}, config.json "
+                      f"implies {list(want[name])}{hint}")
+  if problems:
+    raise ValueError("checkpoint does not fit its config: " + " | ".join(problems[:10]))
+
+
+def _check_names(path, infos, needed, skip):
+  unexpected = sorted(set(infos) - needed - skip)
+  if unexpected:
+    raise ValueError(f"{path}: {len(unexpected)} unexpected tensors for this config: "
+                     f"{unexpected[:20]}{' ...' if len(unexpected) > 20 else ''}")
+  missing = sorted(needed - set(infos))
+  if missing:
+    raise ValueError(f"{path}: {len(missing)} tensors missing: "
+                     f"{missing[:20]}{' ...' if len(missing) > 20 else ''}")
+
+
+def _nest(flat: dict[tuple, Any]) -> dict:
+  tree: dict = {}
+  for path, x in flat.items():
+    t = tree
+    for k in path[:-1]:
+      t = t.setdefault(k, {})
+    t[path[-1]] = x
+  return tree
+
+
+def _np_dtype(name: str):
+  return sio.DTYPES["BF16"] if name == "bfloat16" else np.dtype(name)
+
+
 def load_pretrained(path: str, *, param_dtype: str | None = None, to_device: bool = True,
-                    **config_overrides) -> tuple[ModelConfig, dict]:
+                    mesh=None, rules=None, **config_overrides) -> tuple[ModelConfig, dict]:
   """Reads `config.json` + safetensors from `path` into (ModelConfig, params).
 
   Args:
@@ -181,212 +308,247 @@ def load_pretrained(path: str, *, param_dtype: str | None = None, to_device: boo
       model.safetensors.index.json.
     param_dtype: dtype of the loaded parameters (default: ModelConfig's,
       float32). Router weights and the routing bias stay float32.
-    to_device: return jax arrays (True) or numpy arrays.
+    to_device: without `mesh`, return jax arrays (True) or numpy arrays.
+    mesh: a `jax.sharding.Mesh` (glm5_jax/sharding.py): return global arrays in the
+      model's shardings; each process reads only the blocks its devices hold.
+    rules: logical-axis rules for `mesh` (default `sharding.DEFAULT_RULES`).
     **config_overrides: ModelConfig fields to override (e.g. mtp_num_steps).
 
   Raises:
-    ValueError: wrong model_type, missing or unexpected tensors, wrong shapes.
+    ValueError: wrong model_type, a broken config.json or safetensors file, missing
+      or unexpected tensors, wrong shapes or dtypes, non-finite values; each names
+      the file and the tensor or field.
   """
   import jax  # pylint: disable=g-import-not-at-top
-  with open(os.path.join(path, "config.json")) as f:
-    hf_cfg = json.load(f)
+  from glm5_jax import nn as gnn  # pylint: disable=g-import-not-at-top
   if param_dtype is not None:
     config_overrides["param_dtype"] = param_dtype
-  cfg = ModelConfig.from_hf(hf_cfg, **config_overrides)
-  files = _shard_files(path)
+  hf_cfg, cfg = _read_config(path, config_overrides)
+  infos = _tensor_infos(path)
   mtp_prefix = f"model.layers.{cfg.num_hidden_layers}."
-  if cfg.num_nextn_predict_layers and not any(k.startswith(mtp_prefix) for k in files):
+  if cfg.num_nextn_predict_layers and not any(k.startswith(mtp_prefix) for k in infos):
     logging.warning("%s: config has num_nextn_predict_layers=1 but no %s* tensors (a "
                     "transformers-saved checkpoint drops them); loading without MTP.",
                     path, mtp_prefix)
     cfg = cfg.replace(num_nextn_predict_layers=0, mtp_num_steps=0)
+  mtp = bool(cfg.num_nextn_predict_layers)
+  fused = frozenset(k[:-len(".mlp.experts.down_proj")] for k in infos
+                    if k.endswith(".mlp.experts.down_proj"))
+  leaves = _leaves(_entries(cfg, mtp=mtp, fused=fused))
+  skip = {k for k in infos if k.startswith(mtp_prefix) and k.endswith(_MTP_SHARED_COPIES)}
+  _check_names(path, infos, {n for t in leaves.values() for n, _ in t.flat}, skip)
+  _check_tensors(hf_cfg, leaves, infos)
 
-  name_map = _name_map(cfg)
-  fused = _fused_expert_names(cfg, files)
-  skip = {k for k in files if k.startswith(mtp_prefix) and k.endswith(_MTP_SHARED_COPIES)}
-  unexpected = sorted(set(files) - set(name_map) - set(fused) - skip)
-  if unexpected:
-    raise ValueError(f"{path}: {len(unexpected)} unexpected tensors for this config: "
-                     f"{unexpected[:20]}{' ...' if len(unexpected) > 20 else ''}")
-  fused_layers = {v[0] for v in fused.values()}
-  needed = {k for k, (p, _) in name_map.items()
-            if not (".mlp.experts." in k and p[:-2] in fused_layers)}
-  missing = sorted(needed - set(files))
-  if missing:
-    raise ValueError(f"{path}: {len(missing)} tensors missing: "
-                     f"{missing[:20]}{' ...' if len(missing) > 20 else ''}")
+  shapes, specs = gnn.abstract_params(cfg)
+  flat_shapes = {tuple(k.key for k in p): s for p, s in
+                 jax.tree_util.tree_flatten_with_path(shapes)[0]}
+  got = {p: _leaf_shape(t) for p, t in leaves.items()}
+  want = {p: s.shape for p, s in flat_shapes.items()}
+  if got != want:                                   # a bug in the views, not in the file
+    raise AssertionError(f"hf views != model params: {set(got.items()) ^ set(want.items())}")
+  dtype = _np_dtype(cfg.param_dtype)
+  dtypes = {p: np.dtype(np.float32) if "router" in p else dtype for p in leaves}
 
-  expected = _expected_shapes(cfg)
-  dtype = np.dtype(_np_dtype(cfg.param_dtype))
-  params: dict[str, Any] = {}
-  for name, w in _iter_tensors({k: v for k, v in files.items() if k not in skip}):
-    if name in fused:
-      _load_fused(cfg, params, fused[name], w, dtype)
-      continue
-    ours, conv = name_map[name]
-    if conv == "kv_b":
-      _load_kv_b(cfg, params, ours, w, dtype)
-    elif isinstance(conv, tuple):                      # ("expert", e): one slice of a stack
-      _, e = conv
-      buf = _expert_buffer(cfg, params, ours, dtype)
-      buf[e] = _t(w).astype(dtype)
-    else:
-      x = w if conv is None else conv(w)
-      _set(params, ours, x.astype(np.float32 if "router" in ours else dtype))
-  params = _stacked(cfg, params)
-  _check_shapes(params, expected)
-  if to_device:
-    params = jax.tree_util.tree_map(jax.numpy.asarray, params)
-  return cfg, params
+  if mesh is None:
+    params = {p: _read_block(t, infos, _box((), got[p]), dtypes[p], p) for p, t in leaves.items()}
+    if to_device:
+      params = {p: jax.numpy.asarray(x) for p, x in params.items()}
+    return cfg, _nest(params)
 
+  from glm5_jax import sharding  # pylint: disable=g-import-not-at-top
+  rules = sharding.DEFAULT_RULES if rules is None else rules
+  shardings = sharding.param_shardings(specs, mesh, rules)
+  sharding.check_divisible(shapes, shardings, mesh)
+  flat_sh = {tuple(k.key for k in p): s for p, s in jax.tree_util.tree_flatten_with_path(
+      shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))[0]}
+  params = {}
+  for p, t in leaves.items():
+    blocks = {}                         # devices holding the same block share one read
 
-def _stacked(cfg, params):
-  """Per-layer trees `layers_{i}` (the checkpoint's layout) -> the model's scanned stacks."""
-  from glm5_jax.nn import layer_stack  # pylint: disable=g-import-not-at-top
-  per_layer = [params.pop(f"layers_{i}", {}) for i in range(cfg.num_hidden_layers)]
-  try:
-    stacks = layer_stack.stack_layers(cfg, per_layer)
-  except ValueError as e:              # layers of one stack disagree in structure or shape
-    raise ValueError(f"checkpoint does not fit the config: decoder layers differ within a "
-                     f"stack ({e})") from e
-  return {**params, **stacks}
-
-
-def _per_layer(cfg, params):
-  """The model's scanned stacks -> per-layer trees `layers_{i}` (the checkpoint's layout)."""
-  from glm5_jax.nn import layer_stack  # pylint: disable=g-import-not-at-top
-  out = {k: v for k, v in params.items() if k not in layer_stack.STACK_NAMES}
-  out.update({f"layers_{i}": layer_stack.layer_params(cfg, params, i)
-              for i in range(cfg.num_hidden_layers)})
-  return out
-
-
-def _np_dtype(name: str):
-  import ml_dtypes  # pylint: disable=g-import-not-at-top
-  return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
-
-
-def _expert_buffer(cfg, params, path, dtype):
-  try:
-    return _get(params, path)
-  except KeyError:
-    e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    shape = (e, i, d) if path[-1] == "w_down" else (e, d, i)
-    buf = np.zeros(shape, dtype)
-    _set(params, path, buf)
-    return buf
-
-
-def _load_kv_b(cfg, params, attn_path, w, dtype):
-  """kv_b_proj [h*(n+v), c] -> w_uk [c, h, n], w_uv [c, h, v]."""
-  h, n = cfg.num_attention_heads, cfg.qk_nope_head_dim
-  w = w.reshape(h, n + cfg.v_head_dim, cfg.kv_lora_rank)
-  _set(params, attn_path + ("w_uk",), np.ascontiguousarray(w[:, :n].transpose(2, 0, 1)).astype(dtype))
-  _set(params, attn_path + ("w_uv",), np.ascontiguousarray(w[:, n:].transpose(2, 0, 1)).astype(dtype))
-
-
-def _load_fused(cfg, params, target, w, dtype):
-  moe_path, kind = target
-  i = cfg.moe_intermediate_size
-  if kind == "gate_up_proj":                          # [E, 2I, d], gate rows first
-    _set(params, moe_path + ("experts", "w_gate"), np.ascontiguousarray(
-        w[:, :i].transpose(0, 2, 1)).astype(dtype))
-    _set(params, moe_path + ("experts", "w_up"), np.ascontiguousarray(
-        w[:, i:].transpose(0, 2, 1)).astype(dtype))
-  else:                                               # [E, d, I]
-    _set(params, moe_path + ("experts", "w_down"), np.ascontiguousarray(
-        w.transpose(0, 2, 1)).astype(dtype))
-
-
-def _expected_shapes(cfg: ModelConfig):
-  from glm5_jax import nn  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
-  shapes, _ = nn.abstract_params(cfg)
-  return jax.tree_util.tree_map(lambda s: tuple(s.shape), shapes)
-
-
-def _check_shapes(params, expected):
-  import jax  # pylint: disable=g-import-not-at-top
-  got = jax.tree_util.tree_map(lambda x: tuple(x.shape), params)
-  flat_e = dict(jax.tree_util.tree_flatten_with_path(expected, is_leaf=lambda x: isinstance(x, tuple))[0])
-  flat_g = dict(jax.tree_util.tree_flatten_with_path(got, is_leaf=lambda x: isinstance(x, tuple))[0])
-  fmt = jax.tree_util.keystr
-  missing = sorted(fmt(k) for k in set(flat_e) - set(flat_g))
-  extra = sorted(fmt(k) for k in set(flat_g) - set(flat_e))
-  wrong = sorted(f"{fmt(k)}: {flat_g[k]} != {flat_e[k]}"
-                 for k in set(flat_e) & set(flat_g) if flat_e[k] != flat_g[k])
-  if missing or extra or wrong:
-    raise ValueError(f"checkpoint does not fit the config: missing params {missing}, "
-                     f"extra params {extra}, wrong shapes {wrong}")
+    def read(index, t=t, p=p, blocks=blocks):
+      box = tuple(_box(index, got[p]))
+      if box not in blocks:
+        blocks[box] = _read_block(t, infos, box, dtypes[p], p)
+      return blocks[box]
+    params[p] = jax.make_array_from_callback(got[p], flat_sh[p], read)
+    blocks.clear()
+  return cfg, _nest(params)
 
 
 # --------------------------------------------------------------------------------------
 # Writing
 # --------------------------------------------------------------------------------------
 
-def _hf_tensors(cfg: ModelConfig, params) -> Iterator[tuple[str, np.ndarray]]:
-  """Yields (HF name, [out, in] array) in checkpoint (per-expert) layout."""
-  has_mtp = "mtp" in params and cfg.num_nextn_predict_layers
-  params = _per_layer(cfg, params)
-  for name, (ours, conv) in _name_map(cfg).items():
-    if ours[0] == "mtp" and not has_mtp:
+def _flat(params) -> dict[tuple, Any]:
+  import jax  # pylint: disable=g-import-not-at-top
+  return {tuple(k.key for k in p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+
+class _Holdings:
+  """Which processes hold a block of a leaf entirely (from the sharding: no communication)."""
+
+  def __init__(self, x):
+    import jax  # pylint: disable=g-import-not-at-top
+    self.x = x
+    if isinstance(x, jax.Array):
+      boxes = {}
+      for dev, idx in x.sharding.devices_indices_map(x.shape).items():
+        boxes.setdefault(dev.process_index, set()).add(tuple(map(tuple, _box(idx, x.shape))))
+      self.boxes = boxes
+    else:                                             # host array: every process has it
+      self.boxes = {p: {tuple((0, n) for n in np.shape(x))} for p in range(jax.process_count())}
+
+  def holders(self, box) -> set[int]:
+    vol = math.prod(b - a for a, b in box)
+    return {p for p, bs in self.boxes.items()
+            if sum(math.prod(max(0, min(b, bb) - max(a, aa)) for (a, b), (aa, bb) in zip(box, sb))
+                   for sb in bs) >= vol}
+
+
+def _local_block(x, box) -> np.ndarray:
+  """x[box] from this process's own shards."""
+  import jax  # pylint: disable=g-import-not-at-top
+  if not isinstance(x, jax.Array):
+    return np.asarray(x[tuple(slice(a, b) for a, b in box)])
+  out, seen = np.empty([b - a for a, b in box], x.dtype), set()
+  for s in x.addressable_shards:
+    sb = tuple(map(tuple, _box(s.index, x.shape)))
+    inter = [(max(a, aa), min(b, bb)) for (a, b), (aa, bb) in zip(box, sb)]
+    if sb in seen or any(a >= b for a, b in inter):
       continue
-    if conv == "kv_b":
-      uk, uv = np.asarray(_get(params, ours + ("w_uk",))), np.asarray(_get(params, ours + ("w_uv",)))
-      yield name, np.concatenate([uk.transpose(1, 2, 0), uv.transpose(1, 2, 0)], axis=1).reshape(
-          -1, cfg.kv_lora_rank)
-    elif isinstance(conv, tuple):
-      yield name, _t(np.asarray(_get(params, ours)[conv[1]]))
-    elif conv is None:
-      yield name, np.asarray(_get(params, ours))
-    elif isinstance(conv, _Reshaped):
-      yield name, conv.inverse(_get(params, ours))
-    else:                                             # _t
-      yield name, _t(np.asarray(_get(params, ours)))
+    seen.add(sb)
+    src = tuple(slice(a - aa, b - aa) for (a, b), (aa, _) in zip(inter, sb))
+    dst = tuple(slice(a - aa, b - aa) for (a, b), (aa, _) in zip(inter, box))
+    out[dst] = _shard_part(s.data, src)
+  return out
+
+
+_SLICE = []
+
+
+def _shard_part(data, src) -> np.ndarray:
+  """data[src] copied to the host; one compiled slice per (shard shape, block shape)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  sizes = tuple(sl.stop - sl.start for sl in src)
+  if sizes == data.shape or next(iter(data.devices())).platform == "cpu":   # host memory
+    return np.asarray(data)[src]
+  if not _SLICE:
+    _SLICE.append(jax.jit(jax.lax.dynamic_slice, static_argnums=2))
+  return np.asarray(_SLICE[0](data, np.asarray([sl.start for sl in src], np.int32), sizes))
+
+
+def _index(a, i):
+  return a[tuple(i)]
+
+
+def _gathered_block(x, lead: tuple) -> np.ndarray:
+  """x[lead] replicated to every process (a collective: all processes call it in order)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  if isinstance(x.sharding, jax.sharding.NamedSharding):
+    rep = jax.sharding.NamedSharding(x.sharding.mesh, jax.sharding.PartitionSpec())
+    y = jax.jit(_index, out_shardings=rep)(x, np.asarray(lead, np.int32))
+    return np.asarray(y.addressable_data(0))
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))[lead]
+
+
+def _hf_tensor(parts, dtype) -> np.ndarray:
+  """One HF tensor from its [(view, ours block)] parts: the inverse of `_read_view`."""
+  v0 = parts[0][0]
+  split = np.zeros([s for g in v0.groups for s in g], dtype)
+  for v, block in parts:
+    split[tuple(slice(*b) for b in v.box)] = block.transpose(np.argsort(v.perm))
+  return split.reshape(v0.hf_shape)
+
+
+def _save_plan(cfg, flat, max_shard_bytes, n_proc):
+  """[(HF name, entries, writer process, gathered?, bytes)] in writing order, and each
+  process's files {process: [[HF names]]}; the same on every process (no communication)."""
+  has_mtp = ("mtp",) in {p[:1] for p in flat} and bool(cfg.num_nextn_predict_layers)
+  by_name: dict[str, list[_Entry]] = {}
+  for e in _entries(cfg, mtp=has_mtp):
+    by_name.setdefault(e.hf, []).append(e)
+  holdings = {p: _Holdings(x) for p, x in flat.items()}
+  load, plan = [0] * n_proc, []
+  for name, es in by_name.items():
+    holders = set(range(n_proc))
+    for e in es:
+      box = [(i, i + 1) for i in e.lead] + [(0, n) for n in flat[e.path].shape[len(e.lead):]]
+      holders &= holdings[e.path].holders(box)
+    nbytes = math.prod(es[0].view.hf_shape) * np.dtype(flat[es[0].path].dtype).itemsize
+    writer = min(holders or range(n_proc), key=lambda q: (load[q], q))
+    load[writer] += nbytes
+    plan.append((name, es, writer, not holders, nbytes))
+  files: dict[int, list[list[str]]] = {q: [] for q in range(n_proc)}
+  size = [max_shard_bytes + 1] * n_proc
+  for name, _, writer, _, nbytes in plan:
+    if size[writer] + nbytes > max_shard_bytes and size[writer]:
+      files[writer].append([])
+      size[writer] = 0
+    files[writer][-1].append(name)
+    size[writer] += nbytes
+  return plan, files
+
+
+def _barrier(name: str):
+  import jax  # pylint: disable=g-import-not-at-top
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    multihost_utils.sync_global_devices(name)
 
 
 def save_pretrained(cfg: ModelConfig, params, path: str, *, max_shard_bytes: int = 5 * 2**30):
   """Writes config.json + safetensors shards (+ index) that transformers loads.
 
-  The MTP layer is written as `model.layers.{num_hidden_layers}.*` (transformers
-  ignores it; our loader reads it back).
+  `params` may be host arrays or global jax arrays sharded over many processes
+  (call it on every process). Each HF tensor goes to one writer process that holds
+  it whole in its own shards, or, where none does, is gathered to all processes
+  one tensor at a time; each process streams its tensors into its own files;
+  process 0 writes config.json and the index. The MTP layer is written as
+  `model.layers.{num_hidden_layers}.*` (transformers ignores it; our loader reads it).
   """
-  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
-  os.makedirs(path, exist_ok=True)
-  hf_cfg = cfg.to_hf()
-  if "mtp" not in params:
-    hf_cfg["num_nextn_predict_layers"] = 0
-  with open(os.path.join(path, "config.json"), "w") as f:
-    json.dump(hf_cfg, f, indent=2)
+  import jax  # pylint: disable=g-import-not-at-top
+  me, n_proc = jax.process_index(), jax.process_count()
+  flat = _flat(params)
+  plan, files = _save_plan(cfg, flat, max_shard_bytes, n_proc)
+  names = [(q, chunk) for q in range(n_proc) for chunk in files[q]]
+  fname = ({0: _SINGLE} if len(names) == 1 else
+           {k: f"model-{k + 1:05d}-of-{len(names):05d}.safetensors" for k in range(len(names))})
+  if me == 0:
+    os.makedirs(path, exist_ok=True)
+    for old in os.listdir(path):
+      if re.fullmatch(r"model(-\d+-of-\d+)?\.safetensors|" + re.escape(_INDEX), old):
+        os.remove(os.path.join(path, old))
+    hf_cfg = cfg.to_hf()
+    if not any(p[0] == "mtp" for p in flat):
+      hf_cfg["num_nextn_predict_layers"] = 0
+    with open(os.path.join(path, "config.json"), "w") as f:
+      json.dump(hf_cfg, f, indent=2)
+  _barrier("save_pretrained:cleaned")
 
-  shards, current, size = [], {}, 0
-
-  def flush():
-    nonlocal current, size
-    if current:
-      tmp = os.path.join(path, f"shard-{len(shards):05d}.tmp")
-      save_file(current, tmp, metadata={"format": "pt"})
-      shards.append((tmp, sorted(current)))
-      current, size = {}, 0
-
-  for name, w in _hf_tensors(cfg, params):
-    if size + w.nbytes > max_shard_bytes:
-      flush()
-    current[name] = np.ascontiguousarray(w)
-    size += w.nbytes
-  flush()
-
-  for old in os.listdir(path):
-    if re.fullmatch(r"model(-\d+-of-\d+)?\.safetensors|" + re.escape(_INDEX), old):
-      os.remove(os.path.join(path, old))
-  if len(shards) == 1:
-    os.replace(shards[0][0], os.path.join(path, _SINGLE))
-    return
-  weight_map, total = {}, 0
-  for i, (tmp, names) in enumerate(shards):
-    fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-    os.replace(tmp, os.path.join(path, fname))
-    weight_map.update({n: fname for n in names})
-    total += os.path.getsize(os.path.join(path, fname))
-  with open(os.path.join(path, _INDEX), "w") as f:
-    json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+  info = {name: (es, nbytes) for name, es, _, _, nbytes in plan}
+  file_of = {n: k for k, (_, chunk) in enumerate(names) for n in chunk}
+  writers: dict[int, sio.Writer] = {}
+  for name, es, writer, gather, _ in plan:
+    if writer != me and not gather:
+      continue
+    if gather:
+      parts = [(e.view, _gathered_block(flat[e.path], e.lead)) for e in es]
+    else:
+      parts = [(e.view, _local_block(flat[e.path], [(i, i + 1) for i in e.lead] + [
+          (0, n) for n in flat[e.path].shape[len(e.lead):]]).reshape(e.view.shape)) for e in es]
+    if writer != me:
+      continue
+    k = file_of[name]
+    if k not in writers:
+      writers[k] = sio.Writer(os.path.join(path, fname[k]), [
+          (n, info[n][0][0].view.hf_shape, flat[info[n][0][0].path].dtype) for n in names[k][1]])
+    writers[k].add(name, _hf_tensor(parts, flat[es[0].path].dtype))
+    if name == names[k][1][-1]:
+      writers.pop(k).close()
+  if me == 0 and len(names) > 1:
+    total = sum(nbytes for *_, nbytes in plan)
+    with open(os.path.join(path, _INDEX), "w") as f:
+      json.dump({"metadata": {"total_size": total},
+                 "weight_map": {n: fname[file_of[n]] for n, *_ in plan}}, f, indent=2)
+  _barrier("save_pretrained:written")

@@ -87,3 +87,33 @@ def test_indexer_gets_gradient_only_from_the_indexer_loss(tiny_cfg, tiny_params,
   idx_kl, rest_kl = _split_grads(jax.jit(jax.grad(kl_loss))(tiny_params))
   assert idx_lm == 0.0 and rest_lm > 0.0
   assert idx_kl > 0.0 and rest_kl == 0.0
+
+
+@pytest.mark.parametrize("t,s", [(9, 9), (3, 11)])
+def test_select_topk_clamps_to_the_keys_and_drops_only_empty_slots(tiny_cfg, rng, t, s):
+  from glm5_jax.nn import indexer
+  q, k, w = (jnp.asarray(rng.normal(size=z), jnp.float32)
+             for z in ((2, t, 3, 8), (2, s, 8), (2, t, 3)))
+  got = indexer.select_topk(tiny_cfg.replace(index_topk=100_000, attention_impl="xla"), q, k, w)
+  unclamped = li.topk_indices(q, k, w, s + 4)
+  assert got.shape == (2, t, s)
+  np.testing.assert_array_equal(got, unclamped[..., :s])
+  assert np.all(np.asarray(unclamped[..., s:]) == -1)
+
+
+def test_huge_index_topk_equals_topk_of_the_context_and_memory_stays_bounded(
+    tiny_cfg, tiny_params, tiny_tokens):
+  from glm5_jax import nn as gnn
+  s = tiny_tokens.shape[1]
+  runs = {}
+  for k in (s, 100_000):
+    model = gnn.GLM5(tiny_cfg.replace(index_topk=k))
+    fn = jax.jit(lambda p, x, m=model: m.apply({"params": p}, x, mtp=False, return_topk=True))
+    compiled = fn.lower(tiny_params, tiny_tokens).compile()
+    runs[k] = compiled(tiny_params, tiny_tokens), compiled.memory_analysis().temp_size_in_bytes
+  (ref, ref_bytes), (big, big_bytes) = runs[s], runs[100_000]
+  np.testing.assert_array_equal(big.logits, ref.logits)
+  for a, b in zip(big.topk_indices, ref.topk_indices):
+    np.testing.assert_array_equal(a, b)
+  # Unclamped, 100k slots of [b, t] queries gather 100k latent rows each (> 100 MB).
+  assert big_bytes <= ref_bytes < 4 * 2**20, (big_bytes, ref_bytes)

@@ -380,3 +380,25 @@ print("OK")
 @pytest.mark.slow
 def test_sharded_engine_on_8_devices_equals_the_single_device_engine():
   fake_devices.run_script(_SHARDED_SCRIPT, devices=8, timeout=600)
+
+
+def test_malformed_prompts_and_stop_ids_are_named_and_the_engine_keeps_serving(engine, rng):
+  v = engine.cfg.vocab_size
+  sp = SamplingParams(max_new_tokens=4, temperature=0.0)   # the shapes of the test above
+  with pytest.raises(ValueError, match=r"prompts\[0\]=1: .*takes a list of prompts"):
+    engine.generate([1, 2, 3], sp)                          # one flat prompt, not a list
+  with pytest.raises(ValueError, match=r"prompts: expected a list of prompts"):
+    engine.generate(5, sp)
+  with pytest.raises(ValueError, match=r"prompts\[1\]: prompt\[1\]=True: .*not bools"):
+    engine.generate([[1, 2], [3, True]], sp)
+  with pytest.raises(ValueError, match=r"prompt\[0\]=np.True_|prompt\[0\]=True"):
+    engine.submit(np.asarray([True, False]), sp)
+  with pytest.raises(ValueError, match=rf"\[{v}\] outside the vocabulary.*vocab_size={v}"):
+    engine.generate([[1, 2]], SamplingParams(max_new_tokens=2, stop_token_ids=[3, v]))
+  with pytest.raises(ValueError, match=rf"stop_token_ids=\[{v + 5}\]"):
+    engine.submit([1, 2], SamplingParams(stop_token_ids=[v + 5]))
+  assert engine.num_unfinished == 0                         # nothing half-queued
+  p = rng.integers(0, 256, 5).tolist()
+  outs = engine.generate([p, np.asarray(p), p], sp)         # still serving
+  assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids
+  assert len(outs[0].token_ids) == 4

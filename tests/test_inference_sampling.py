@@ -79,10 +79,24 @@ def test_greedy_acceptance_keeps_matching_drafts_and_corrects_the_first_mismatch
 
 @pytest.mark.parametrize("kw, field", [
     (dict(max_new_tokens=0), "max_new_tokens"), (dict(temperature=-1.0), "temperature"),
-    (dict(top_k=-2), "top_k"), (dict(top_p=1.5), "top_p")])
+    (dict(top_k=-2), "top_k"), (dict(top_p=1.5), "top_p"),
+    (dict(temperature=float("inf")), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature="0.7"), "temperature"), (dict(max_new_tokens=True), "max_new_tokens"),
+    (dict(max_new_tokens=4.0), "max_new_tokens"), (dict(top_k=True), "top_k"),
+    (dict(top_p=float("nan")), "top_p"), (dict(seed=False), "seed"),
+    (dict(stop_token_ids=[5, True]), r"stop_token_ids\[1\]"),
+    (dict(stop_token_ids=[-1]), r"stop_token_ids\[0\]"),
+    (dict(stop_token_ids=[2.5]), r"stop_token_ids\[0\]"),
+    (dict(stop_token_ids=7), "stop_token_ids")])
 def test_sampling_params_name_the_bad_field(kw, field):
   with pytest.raises(ValueError, match=f"SamplingParams.{field}="):
     SamplingParams(**kw)
+
+
+def test_sampling_params_take_numpy_scalars_and_any_iterable_of_stop_ids():
+  sp = SamplingParams(max_new_tokens=np.int32(3), temperature=np.float32(0.5),
+                      stop_token_ids=np.asarray([4, 7]), seed=np.int64(2))
+  assert sp.stop_token_ids == (4, 7) and all(type(t) is int for t in sp.stop_token_ids)
 
 
 def test_all_greedy_rows_skip_the_draw_and_get_the_same_tokens(rng):

@@ -71,3 +71,14 @@ def test_topk_mismatches_counts_positions_where_a_layer_differs():
   other = Trajectory([1], [2, 3], [-1.0, -1.0], 0, 0,
                      topk={1: np.array([[1, 2], [9, 9], [0, 1]])})
   assert policy.topk_mismatches([other], trainer) == (1, 1)
+
+
+def test_topk_mismatches_ignore_empty_slots_of_different_slot_counts():
+  """The engine's slot count is min(index_topk, s) of its cache view, the trainer's that of
+  its sequence: -1 (empty) slots may differ in number, the selected keys may not."""
+  trainer = [np.array([[[0, 1, -1, -1], [0, 1, 2, -1]]])]
+  engine = Trajectory([1], [2, 3], [-1.0, -1.0], 0, 0,
+                      topk={0: np.array([[1, 0, -1]]), 1: np.array([[2, 1, 0]])})
+  assert policy.topk_mismatches([engine], trainer) == (0, 2)
+  wrong = Trajectory([1], [2, 3], [-1.0, -1.0], 0, 0, topk={1: np.array([[2, 1, -1]])})
+  assert policy.topk_mismatches([wrong], trainer) == (1, 1)

@@ -3,6 +3,12 @@
 Each record is one document: int32 token ids (`np.ndarray.tobytes`). The split
 is by a hash of the file path, so it is stable when files are added. The default
 corpus is the Python standard library's own source files on this machine.
+
+`meta.json` records what the directory was prepared from (`prepared_from`: source
+directory, file pattern, tokenizer, split) and each shard's size and record count
+(`shards`). `ensure` refuses to reuse a directory prepared from other sources, and
+`shard_paths` refuses a shard whose size or record count differs from the record (a
+truncated or overwritten file), naming it, before any reader touches its contents.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import logging
 import os
 import sysconfig
 
@@ -18,6 +25,10 @@ import numpy as np
 from glm5_jax.data import tokenizers
 
 META = "meta.json"
+# Fields of `prepared_from` that must match for a directory to be reused. val_fraction and
+# max_files are recorded only: a directory prepared from a subset (tests, smoke runs) stays
+# usable by a config that names the whole source.
+CHECKED = ("source_dir", "tokenizer", "pattern")
 
 
 def default_source_dir() -> str:
@@ -39,6 +50,14 @@ def _is_validation(path: str, fraction: float) -> bool:
   return h / 2**32 < fraction
 
 
+def fingerprint(src: str, *, tokenizer: str, pattern: str, val_fraction: float,
+                max_files: int) -> dict:
+  """What a data directory is prepared from (meta.json `prepared_from`)."""
+  tok = "bytes" if tokenizer in ("bytes", "byte", "") else os.path.abspath(tokenizer)
+  return {"source_dir": os.path.abspath(src or default_source_dir()), "pattern": pattern,
+          "tokenizer": tok, "val_fraction": val_fraction, "max_files": max_files}
+
+
 def prepare(src: str, out: str, *, tokenizer: str = "bytes", pattern: str = "*.py",
             val_fraction: float = 0.05, num_shards: int = 4, max_files: int = 0) -> dict:
   """Writes `out/{train,validation}-XXXXX-of-YYYYY.array_record` and `out/meta.json`."""
@@ -48,10 +67,12 @@ def prepare(src: str, out: str, *, tokenizer: str = "bytes", pattern: str = "*.p
   if max_files:
     files = files[:max_files]
   os.makedirs(out, exist_ok=True)
-  writers = {split: [ArrayRecordWriter(os.path.join(out, f"{split}-{i:05d}-of-{num_shards:05d}"
-                                                    ".array_record"), "group_size:1")
-                     for i in range(num_shards)] for split in ("train", "validation")}
+  paths = {split: [os.path.join(out, f"{split}-{i:05d}-of-{num_shards:05d}.array_record")
+                   for i in range(num_shards)] for split in ("train", "validation")}
+  writers = {split: [ArrayRecordWriter(p, "group_size:1") for p in ps]
+             for split, ps in paths.items()}
   stats = {split: {"documents": 0, "tokens": 0, "bytes": 0} for split in writers}
+  records = {split: [0] * num_shards for split in writers}
   for i, f in enumerate(files):
     with open(f, "rb") as fh:
       raw = fh.read()
@@ -61,6 +82,7 @@ def prepare(src: str, out: str, *, tokenizer: str = "bytes", pattern: str = "*.p
       continue
     split = "validation" if _is_validation(os.path.relpath(f, src), val_fraction) else "train"
     writers[split][i % num_shards].write(ids.astype(np.int32).tobytes())
+    records[split][i % num_shards] += 1
     s = stats[split]
     s["documents"] += 1
     s["tokens"] += int(len(ids))
@@ -68,20 +90,64 @@ def prepare(src: str, out: str, *, tokenizer: str = "bytes", pattern: str = "*.p
   for ws in writers.values():
     for w in ws:
       w.close()
-  unigram = _unigram_entropy_bits(out, tok.vocab_size)
+  shards = {os.path.basename(p): {"bytes": os.path.getsize(p), "records": n}
+            for split, ps in paths.items() for p, n in zip(ps, records[split])}
+  unigram = _unigram_entropy_bits(paths["train"], tok.vocab_size)
   meta = {"source_dir": src, "tokenizer": tokenizer, "vocab_size": tok.vocab_size,
-          "pattern": pattern, "splits": stats, "train_unigram_entropy_bits_per_token": unigram}
+          "pattern": pattern, "splits": stats, "train_unigram_entropy_bits_per_token": unigram,
+          "prepared_from": fingerprint(src, tokenizer=tokenizer, pattern=pattern,
+                                       val_fraction=val_fraction, max_files=max_files),
+          "shards": shards}
   with open(os.path.join(out, META), "w") as fh:
     json.dump(meta, fh, indent=2)
   return meta
 
 
 def shard_paths(data_dir: str, split: str) -> list[str]:
+  """The split's shards, each checked against meta.json's record (size, record count)."""
   paths = sorted(glob.glob(os.path.join(data_dir, f"{split}-*.array_record")))
   if not paths:
     raise FileNotFoundError(f"data.dir={data_dir!r} has no {split} shards; run "
                             "`python -m experiments.prepare_data` first")
+  recorded = (_read_meta(os.path.join(data_dir, META)).get("shards", {})
+              if os.path.exists(os.path.join(data_dir, META)) else {})
+  for p in paths:
+    check_shard(p, recorded.get(os.path.basename(p)))
   return paths
+
+
+def check_shard(path: str, record: dict | None = None) -> None:
+  """Raises ValueError naming `path` if it is not the shard that was written.
+
+  The size is compared first, without opening the file (a truncated file is never handed
+  to the ArrayRecord reader); then the reader opens it and its record count is compared.
+  """
+  from array_record.python.array_record_module import ArrayRecordReader  # pylint: disable=g-import-not-at-top
+  fix = "prepare the data again (delete its data.dir or use a new one)"
+  size = os.path.getsize(path)
+  if record is not None and size != record["bytes"]:
+    raise ValueError(f"data shard {path!r} is {size} bytes, but {record['bytes']} were written "
+                     f"(meta.json): truncated or overwritten; {fix}")
+  try:
+    reader = ArrayRecordReader(path)
+    n = reader.num_records()
+    reader.close()
+  except RuntimeError as e:
+    raise ValueError(f"data shard {path!r} is not a readable ArrayRecord file ({e}); "
+                     f"{fix}") from None
+  want = None if record is None else record["records"]
+  if (want is not None and n != want) or (want is None and n == 0 and size > 0):
+    raise ValueError(f"data shard {path!r} holds {n} records, expected "
+                     f"{want if want is not None else 'at least 1'}: truncated or corrupt; {fix}")
+
+
+def _read_meta(path: str) -> dict:
+  try:
+    with open(path) as fh:
+      return json.load(fh)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f"{path} is not valid JSON ({e}); prepare the data again (delete its "
+                     "data.dir or use a new one)") from None
 
 
 def load_meta(data_dir: str) -> dict:
@@ -89,14 +155,44 @@ def load_meta(data_dir: str) -> dict:
   if not os.path.exists(path):
     raise FileNotFoundError(f"data.dir={data_dir!r} has no {META}; run "
                             "`python -m experiments.prepare_data` first")
-  with open(path) as fh:
-    return json.load(fh)
+  return _read_meta(path)
 
 
-def _unigram_entropy_bits(out: str, vocab: int) -> float:
+def ensure(data_dir: str, *, source_dir: str, tokenizer: str = "bytes", pattern: str = "*.py",
+           val_fraction: float = 0.05, num_shards: int = 4, max_files: int = 0) -> dict:
+  """Prepares `data_dir` on first use; refuses one prepared from other sources (`CHECKED`).
+
+  source_dir "" is the default corpus (`default_source_dir`). A directory prepared before
+  meta.json recorded its sources is accepted with a warning.
+  """
+  if not os.path.exists(os.path.join(data_dir, META)):
+    return prepare(source_dir or default_source_dir(), data_dir, tokenizer=tokenizer,
+                   pattern=pattern, val_fraction=val_fraction, num_shards=num_shards,
+                   max_files=max_files)
+  meta = load_meta(data_dir)
+  if meta.get("kind") == "sft":
+    raise ValueError(f"data.dir={data_dir!r} holds SFT conversations, not a pretraining corpus")
+  now = fingerprint(source_dir, tokenizer=tokenizer, pattern=pattern,
+                    val_fraction=val_fraction, max_files=max_files)
+  was = meta.get("prepared_from")
+  if was is None:
+    logging.warning("data.dir=%r records no sources (prepared before meta.json held them); "
+                    "assuming it was prepared from %s", data_dir, now)
+    return meta
+  for field in CHECKED:
+    value = now[field]
+    if was.get(field) != value:
+      raise ValueError(
+          f"data.dir={data_dir!r} was prepared with data.{field}={was.get(field)!r}, but the "
+          f"config now gives data.{field}={value!r}; use a new data.dir or delete this one to "
+          "prepare it again")
+  return meta
+
+
+def _unigram_entropy_bits(paths: list[str], vocab: int) -> float:
   from array_record.python.array_record_module import ArrayRecordReader  # pylint: disable=g-import-not-at-top
   counts = np.zeros(vocab, np.int64)
-  for p in shard_paths(out, "train"):
+  for p in paths:
     r = ArrayRecordReader(p)
     for rec in r.read_all():
       counts += np.bincount(np.frombuffer(rec, np.int32), minlength=vocab)

@@ -20,6 +20,7 @@ so plain text goes through a copy of the tokenizer with the added tokens removed
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 
@@ -86,7 +87,14 @@ class HFTokenizer:
       from tokenizers import Tokenizer  # pylint: disable=g-import-not-at-top
     except ImportError as e:
       raise ImportError("data.tokenizer=<tokenizer.json> needs the `tokenizers` package") from e
-    self._tok = Tokenizer.from_file(path)
+    if not os.path.isfile(path):
+      raise FileNotFoundError(f"data.tokenizer={path!r}: no such file (expected a Hugging Face "
+                              "tokenizer.json)")
+    try:
+      self._tok = Tokenizer.from_file(path)
+    except Exception as e:  # pylint: disable=broad-except  # `tokenizers` raises bare Exception
+      raise ValueError(f"data.tokenizer={path!r} is not a valid Hugging Face tokenizer.json "
+                       f"({e})") from None
     self.vocab_size = self._tok.get_vocab_size()
     self.name = path
     self.special_tokens = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items()}

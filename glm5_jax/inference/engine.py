@@ -48,6 +48,7 @@ another structure, shape or dtype.
 from __future__ import annotations
 
 import collections
+import collections.abc
 import contextlib
 import dataclasses
 import itertools
@@ -156,6 +157,24 @@ def _buckets(chunk: int):
     out.append(b)
     b *= 2
   return out + [chunk]
+
+
+def _is_token_id(t) -> bool:
+  """A Python or NumPy integer; bool (an int subclass) and np.bool_ are not."""
+  return isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_))
+
+
+def _as_prompt(ids, name: str) -> list:
+  """`ids` as a list; a scalar or a string is an error naming `name`."""
+  try:
+    flat = not isinstance(ids, (str, bytes)) and np.ndim(ids) == 1
+  except ValueError:                               # ragged nesting
+    flat = False
+  if not flat:
+    raise ValueError(f"{name}={ids!r:.80}: expected a list of token ids" + (
+        "; `generate` takes a list of prompts, e.g. [[1, 2, 3]] for one prompt"
+        if name.startswith("prompts[") else ""))
+  return list(ids)
 
 
 def _pow2(n: int) -> int:
@@ -370,9 +389,10 @@ class Engine:
       record_topk: also return each layer's DSA top-k per processed position.
       stream: the first sampling stream (requests with equal seed and stream sample alike).
     """
-    prompt = list(prompt_ids)
+    prompt = _as_prompt(prompt_ids, "prompt_ids")
     if not isinstance(sampling, SamplingParams):
       raise ValueError(f"sampling: expected a SamplingParams, got {sampling!r}")
+    self._check_stop_ids(sampling)
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
       raise ValueError(f"submit: n={n!r}, expected an int >= 1")
     session = None
@@ -412,12 +432,21 @@ class Engine:
     v = self.cfg.vocab_size
     if not prompt and not conv:
       raise ValueError("prompt is empty: expected at least one token id")
-    if any((not isinstance(t, (int, np.integer))) or t < 0 or t >= v for t in prompt):
-      raise ValueError(f"prompt: token ids must be ints in [0, vocab_size={v})")
+    for i, t in enumerate(prompt):
+      if not _is_token_id(t) or not 0 <= t < v:
+        raise ValueError(f"prompt[{i}]={t!r}: token ids must be ints (not bools) in "
+                         f"[0, vocab_size={v})")
     if len(conv) + len(prompt) > self.max_len:
       raise ValueError(f"prompt: {len(prompt)} tokens" + (f" after {len(conv)} session tokens"
                        if conv else "") + f" do not fit the cache (Engine max_len="
                        f"{self.max_len})")
+
+  def _check_stop_ids(self, sampling: SamplingParams):
+    v = self.cfg.vocab_size
+    bad = [t for t in sampling.stop_token_ids if t >= v]
+    if bad:
+      raise ValueError(f"SamplingParams.stop_token_ids={list(sampling.stop_token_ids)}: "
+                       f"{bad} outside the vocabulary; expected ids in [0, vocab_size={v})")
 
   def cancel(self, request_id: int) -> None:
     """Drops a waiting or running request; its blocks are released (a session keeps its
@@ -465,7 +494,10 @@ class Engine:
       One GenerationOutput per prompt, in order. Other requests' outputs that finish
       meanwhile are returned by the next `step()`.
     """
-    prompts = [list(p) for p in prompts]
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, collections.abc.Iterable):
+      raise ValueError(f"prompts: expected a list of prompts (token-id lists), got "
+                       f"{type(prompts).__name__}")
+    prompts = [_as_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
     if not prompts:
       raise ValueError("prompts: expected at least one prompt")
     sps = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
@@ -473,9 +505,10 @@ class Engine:
       raise ValueError(f"sampling: expected one SamplingParams or a list of {len(prompts)}, "
                        f"got {sampling!r}")
     sids = self._check_sessions(session_id, len(prompts))
-    for i, (p, sid) in enumerate(zip(prompts, sids)):     # all checked before any is queued
+    for i, (p, sid, sp) in enumerate(zip(prompts, sids, sps)):  # all checked before queueing
       try:
         self._check_prompt(p, self._sessions[sid].tokens if sid else [])
+        self._check_stop_ids(sp)
       except ValueError as e:
         raise ValueError(f"prompts[{i}]: {e}") from None
     t0, before = time.perf_counter(), dict(self.stats)

@@ -23,11 +23,14 @@ Notation: b batch, v vocabulary, D draft tokens.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
+import math
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,19 +56,38 @@ class SamplingParams:
   seed: int = 0
 
   def __post_init__(self):
-    object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-    if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+    stop = self.stop_token_ids
+    if isinstance(stop, (str, bytes)) or not isinstance(stop, collections.abc.Iterable):
+      raise ValueError(f"SamplingParams.stop_token_ids={stop!r}: expected a sequence of "
+                       "token ids (ints >= 0)")
+    stop = tuple(stop)
+    for i, t in enumerate(stop):
+      if not _is_int(t) or t < 0:
+        raise ValueError(f"SamplingParams.stop_token_ids[{i}]={t!r}: expected an int >= 0 "
+                         "(a token id, not a bool)")
+    object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop))
+    if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
       raise ValueError(f"SamplingParams.max_new_tokens={self.max_new_tokens!r}: expected an "
-                       "int >= 1")
-    if not self.temperature >= 0:
-      raise ValueError(f"SamplingParams.temperature={self.temperature!r}: expected >= 0 "
-                       "(0 = greedy)")
-    if not isinstance(self.top_k, int) or self.top_k < 0:
+                       "int >= 1 (not a bool)")
+    if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:
+      raise ValueError(f"SamplingParams.temperature={self.temperature!r}: expected a finite "
+                       "number >= 0 (0 = greedy)")
+    if not _is_int(self.top_k) or self.top_k < 0:
       raise ValueError(f"SamplingParams.top_k={self.top_k!r}: expected an int >= 0 (0 = off)")
-    if not 0 < self.top_p <= 1:
-      raise ValueError(f"SamplingParams.top_p={self.top_p!r}: expected in (0, 1]")
-    if not isinstance(self.seed, int):
+    if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+      raise ValueError(f"SamplingParams.top_p={self.top_p!r}: expected a number in (0, 1]")
+    if not _is_int(self.seed):
       raise ValueError(f"SamplingParams.seed={self.seed!r}: expected an int")
+
+
+def _is_int(x) -> bool:
+  """A Python or NumPy integer; bool (an int subclass) and np.bool_ are not."""
+  return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_real(x) -> bool:
+  return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(
+      x, (bool, np.bool_))
 
 
 def raw_logprobs(logits_bv, tokens_b):

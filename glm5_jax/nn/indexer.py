@@ -9,7 +9,10 @@ Steps
      interleaved for GLM-5, half-split for DeepSeek-V3.2 (`indexer_rope_interleave`).
   4. w = (x W_Iw) * h_i^-0.5                   [b, t, h_i]      float32
   5. I[t, s] = sum_j w[t, j] * ReLU(q_I[t, j] . k_I[s] * d_i^-0.5)
-  6. top-k of I over causal s, ties -> lower s (pallas_kernels.lightning_indexer).
+  6. top-k of I over causal s, ties -> lower s (pallas_kernels.lightning_indexer),
+     with min(index_topk, s) slots (`num_slots`): a query sees at most s keys, so the
+     slots beyond s could only hold -1, and `index_topk` larger than the context
+     would otherwise size every [b, t, k] buffer by it.
 
 Gradient isolation: x and c_q are `stop_gradient`-ed before the indexer sees
 them, so its parameters learn only from the indexer KL loss (spec §2.5, Megatron
@@ -58,14 +61,19 @@ class Indexer(nn.Module):
     return q * di ** -0.5, k, w
 
 
+def num_slots(index_topk: int, s: int) -> int:
+  """Top-k slots over s keys: min(index_topk, s). Clamping drops only -1 slots."""
+  return min(index_topk, s)
+
+
 def select_topk(cfg, q, k, w, doc_start=None, limit=None):
-  """int32 [b, t, index_topk] deterministic causal top-k (see pallas_kernels).
+  """int32 [b, t, num_slots(index_topk, s)] deterministic causal top-k (see pallas_kernels).
 
   doc_start [b, t]: first key of each query's document (packed rows); keys of
   other documents are never selected. limit [t]: last visible key of each query
   (default causal; context parallelism passes each query's natural position).
   """
   return dsa_kernels.topk_indices(
-      q, k, w, cfg.index_topk, impl=cfg.attention_impl,
+      q, k, w, num_slots(cfg.index_topk, k.shape[1]), impl=cfg.attention_impl,
       interpret=None, chunk_size=cfg.attention_chunk_size,
       start=doc_start, limit=limit)

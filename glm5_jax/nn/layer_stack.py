@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from glm5_jax.nn import decoder as decoder_lib
+from glm5_jax.nn import indexer as indexer_lib
 
 LAYERS_AXIS = "layers"              # logical name of the stacked axis
 STACK_NAMES = ("dense_layers", "moe_layers")
@@ -160,7 +161,8 @@ def run_stacks(module: nn.Module, cfg, h, cos, sin, doc_start, order, *, with_in
   under dense attention), updated cache or None).
   """
   b, t, _ = h.shape
-  indices = (jnp.full((b, t, cfg.index_topk), -1, jnp.int32)
+  s = t if cache_index is None else cache_index.read_bs.shape[1]   # keys each query sees
+  indices = (jnp.full((b, t, indexer_lib.num_slots(cfg.index_topk, s)), -1, jnp.int32)
              if cfg.attention_type == "sparse" else None)
   kls, loads, topk, new_cache = [], [], [], {}
   for st in layer_stacks(cfg):

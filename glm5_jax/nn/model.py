@@ -49,7 +49,7 @@ class ModelOutput:
     mtp_indexer_kl: float32 [D] the MTP layer's indexer KL per step, or None.
     expert_load: float32 [L_moe, E] fraction of routed slots per expert.
     mtp_expert_load: float32 [D, E], or None.
-    topk_indices: tuple of int32 [b, t, index_topk] per layer (None for dense
+    topk_indices: tuple of int32 [b, t, min(index_topk, s)] per layer (None for dense
       attention), only with `return_topk=True`.
     last_hidden: [b, t, d] the last layer's hidden states before the final norm (the
       MTP module's input).

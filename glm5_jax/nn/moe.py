@@ -32,6 +32,8 @@ experts per token differs, so results agree to float rounding.
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -122,7 +124,8 @@ def select_dispatch(cfg, n_tokens: int):
   otherwise gathered_swiglu when n*K < E, grouped_swiglu when n*K >= E.
   """
   if cfg.expert_dispatch == "all_to_all" and moe_ep.expert_parallel_size() > 1:
-    return moe_ep.ep_grouped_swiglu                  # all-to-all inside shard_map
+    return functools.partial(moe_ep.ep_grouped_swiglu,   # all-to-all inside shard_map
+                             capacity_factor=cfg.moe_capacity_factor)
   if n_tokens * cfg.num_experts_per_tok < cfg.n_routed_experts:
     return gathered_swiglu
   return grouped_swiglu

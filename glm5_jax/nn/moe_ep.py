@@ -5,8 +5,14 @@ Tokens are split over the batch axes (`data, fsdp, expert`), routed experts over
 
   1. group its (token, expert) pairs by destination shard (expert id // E_local);
   2. `all_to_all` over `expert`: every destination gets a [capacity, d] block from
-     every source. capacity = n_local * K, the worst case, so nothing is ever
-     dropped (dropless, like the single-device path; memory ep x the routed rows);
+     every source. By default capacity = n_local * K, the worst case, so nothing is ever
+     dropped (dropless, like the single-device path; memory ep x the routed rows: at
+     GLM-5's ep 8, K 8, d 6144, 768 KiB per local token per buffer, 83 GiB per MoE layer's
+     forward + backward at 25K tokens per device; docs/long_context.md). With
+     `capacity_factor` c > 0, capacity = ceil(c * n_local * K / ep) (GShard / Switch
+     Transformer): a source sends at most that many pairs to each destination, in token
+     order, and the rest are dropped (they add nothing to the output; the router's
+     load-balancing keeps c ~ 1.25 nearly dropless). `kept_pairs` says which pairs stay;
   3. run the local experts with `moe.grouped_swiglu` (sort + `ragged_dot`), padding
      rows last (ragged_dot leaves rows past sum(group_sizes) at zero);
   4. `all_to_all` the results back and combine them with the routing weights.
@@ -17,6 +23,9 @@ transpose), the gathers and `ragged_dot`.
 """
 
 from __future__ import annotations
+
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -36,22 +45,55 @@ def expert_parallel_size() -> int:
   return dict(mesh.shape).get(EXPERT_AXIS, 1)
 
 
-def _local_dispatch(x_nd, ids_nk, wts_nk, wg, wu, wd):
+def capacity(n_local: int, k: int, ep: int, capacity_factor: float) -> int:
+  """Rows each source sends each destination: n_local * K (dropless) when capacity_factor
+  <= 0, else ceil(capacity_factor * n_local * K / ep), at most n_local * K."""
+  pairs = n_local * k
+  if capacity_factor <= 0:
+    return pairs
+  return min(pairs, math.ceil(capacity_factor * pairs / ep))
+
+
+def dispatch_slots(ids_nk, e_loc: int, ep: int):
+  """(order, dest_s, slot): pairs sorted by destination shard (stable: token order), each
+  pair's destination and its row in that destination's block."""
+  flat = ids_nk.reshape(-1)
+  dest = flat // e_loc
+  order = jnp.argsort(dest, stable=True)
+  dest_s = dest[order]
+  counts = jnp.bincount(dest, length=ep)
+  slot = jnp.arange(flat.shape[0]) - (jnp.cumsum(counts) - counts)[dest_s]
+  return order, dest_s, slot
+
+
+def kept_pairs(ids_nk, n_experts: int, ep: int, n_shards: int, capacity_factor: float):
+  """bool [n, K]: the (token, expert) pairs a capacity keeps, tokens split over `n_shards`
+  equal contiguous blocks (the dispatch's token sharding)."""
+  n, k = ids_nk.shape
+  blocks = ids_nk.reshape(n_shards, n // n_shards, k)
+  cap = capacity(n // n_shards, k, ep, capacity_factor)
+
+  def one(ids):
+    order, _, slot = dispatch_slots(ids, n_experts // ep, ep)
+    return jnp.zeros(ids.size, bool).at[order].set(slot < cap).reshape(ids.shape)
+  return jax.vmap(one)(blocks).reshape(n, k)
+
+
+def _local_dispatch(x_nd, ids_nk, wts_nk, wg, wu, wd, *, capacity_factor: float):
   """Per-device body (inside shard_map): returns (y [n, d], global tokens per expert [E])."""
   ep = jax.lax.axis_size(EXPERT_AXIS)
   e_loc = wg.shape[0]
   n, k = ids_nk.shape
   d = x_nd.shape[-1]
-  cap = n * k
+  cap = capacity(n, k, ep, capacity_factor)
   flat = ids_nk.reshape(-1)
-  dest = flat // e_loc                                        # destination shard per pair
-  order = jnp.argsort(dest, stable=True)
-  dest_s = dest[order]
-  counts = jnp.bincount(dest, length=ep)
-  slot = jnp.arange(cap) - (jnp.cumsum(counts) - counts)[dest_s]
+  order, dest_s, slot = dispatch_slots(ids_nk, e_loc, ep)
+  kept = slot < cap                                           # rows past capacity drop
   token_of = order // k
-  send_x = jnp.zeros((ep, cap, d), x_nd.dtype).at[dest_s, slot].set(x_nd[token_of])
-  send_e = jnp.full((ep, cap), e_loc, jnp.int32).at[dest_s, slot].set(flat[order] % e_loc)
+  send_x = jnp.zeros((ep, cap, d), x_nd.dtype).at[dest_s, slot].set(x_nd[token_of],
+                                                                    mode="drop")
+  send_e = jnp.full((ep, cap), e_loc, jnp.int32).at[dest_s, slot].set(flat[order] % e_loc,
+                                                                      mode="drop")
 
   recv_x = jax.lax.all_to_all(send_x, EXPERT_AXIS, 0, 0).reshape(ep * cap, d)
   recv_e = jax.lax.all_to_all(send_e, EXPERT_AXIS, 0, 0).reshape(ep * cap)
@@ -62,20 +104,24 @@ def _local_dispatch(x_nd, ids_nk, wts_nk, wg, wu, wd):
   ys = ys.reshape(ep, cap, d)
 
   back = jax.lax.all_to_all(ys, EXPERT_AXIS, 0, 0)            # back[j] = my rows sent to j
-  rows = back[dest_s, slot] * wts_nk.reshape(-1)[order][:, None].astype(ys.dtype)
+  wts = jnp.where(kept, wts_nk.reshape(-1)[order], 0)
+  rows = back[dest_s, jnp.minimum(slot, cap - 1)] * wts[:, None].astype(ys.dtype)
   y = jnp.zeros_like(x_nd).at[token_of].add(rows)
   per_expert = jax.lax.psum(jnp.bincount(flat, length=e_loc * ep), shd.TOKEN_AXES)
   return y, per_expert
 
 
-def ep_grouped_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid):
+def ep_grouped_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid, *,
+                      capacity_factor: float = 0.0):
   """Same contract as `moe.grouped_swiglu`, with experts sharded over `expert`.
 
   Needs a mesh set with `jax.set_mesh` that has the axes of `sharding.MESH_AXES`.
-  Returns (y [n, d], tokens per expert int32 [E]).
+  `capacity_factor` <= 0: dropless; > 0: per-destination capacity (module docstring).
+  Returns (y [n, d], tokens per expert int32 [E]) (routed, before any drop).
   """
   tok = P(shd.TOKEN_AXES, None)
   exp = P(EXPERT_AXIS, None, None)
-  fn = jax.shard_map(_local_dispatch, in_specs=(tok, tok, tok, exp, exp, exp),
+  fn = jax.shard_map(functools.partial(_local_dispatch, capacity_factor=capacity_factor),
+                     in_specs=(tok, tok, tok, exp, exp, exp),
                      out_specs=(tok, P()), check_vma=False)
   return fn(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid)

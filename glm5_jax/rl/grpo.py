@@ -24,7 +24,9 @@ which are the sampling distribution's only then.
 Held-out accuracy (greedy) at the start and every `eval_every` steps. Checkpoints (orbax)
 hold params, optimizer state and step; everything random derives from (seed, step), so a
 killed and restarted run reproduces the uninterrupted run's metrics exactly on CPU (rows a
-killed run wrote after its last checkpoint are replaced). SIGTERM checkpoints and stops.
+killed run wrote after its last checkpoint are replaced). SIGTERM checkpoints and stops
+(train/preemption.py: `Preempted`, exit 0); the checkpoint of a step is saved before its
+evaluation.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from glm5_jax.rl import tasks as tasks_lib
 from glm5_jax.rl import trajectory as traj_lib
 from glm5_jax.train import checkpoint as ckpt_lib
 from glm5_jax.train import metrics as metrics_lib
+from glm5_jax.train import preemption
 from glm5_jax.train import step as step_lib
 
 
@@ -78,9 +81,7 @@ def validate(c) -> None:
             "logprob_chunk"):
     if r[f] < 1:
       raise ValueError(f"config.rl.{f}={r[f]}: expected >= 1")
-  for f in ("log_every", "total_steps", "keep_checkpoints"):
-    if c[f] < 1:
-      raise ValueError(f"config.{f}={c[f]}: expected >= 1")
+  ckpt_lib.check_run_fields(c, ("log_every", "total_steps"))
   if r.group_size < 2:
     raise ValueError(f"config.rl.group_size={r.group_size}: GRPO needs >= 2 samples per prompt")
   n = r.group_size * r.prompts_per_step
@@ -265,13 +266,11 @@ class _Checkpoints:
   def save(self, step, state):
     self.mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state)), force=True)
 
-  def restore(self, abstract_state):
-    step = self.mngr.latest_step()
-    if step is None:
-      return None
-    out = self.mngr.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state)))
-    return out["state"]
+  def restore(self, abstract_state, what: str):
+    """The newest readable checkpoint's state (a corrupt one is skipped; see
+    `checkpoint.restore_latest`), or None."""
+    step, state = ckpt_lib.restore_latest(self.mngr, abstract_state, None, what=what)
+    return state if step is not None else None
 
   def close(self):
     self.mngr.wait_until_finished()
@@ -309,14 +308,19 @@ def run(c, workdir: str) -> dict:
   except ValueError as e:
     raise ValueError(f"config.rl.eval_problems={r.eval_problems}: {e}") from None
   ckpts = _Checkpoints(workdir, c.keep_checkpoints)
-  sigterm = ckpt_lib.SigtermFlag()
+  preempt = preemption.Preemption()
   writer = None
   last = {}
+  stop = False
   try:
     restored = ckpts.restore(jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state),
+                             what=f"config.optimizer={c.optimizer!r} (stage 'rl')")
     state = restored if restored is not None else state
     start = int(state.step)
+    if start > c.total_steps:
+      raise ValueError(f"config.total_steps={c.total_steps} is below the step {start} of the "
+                       f"checkpoint in {workdir}: expected >= {start}")
     setup.engine.update_params(state.params, version=start)
     writer = metrics_lib.MetricWriter(workdir, tensorboard=c.tensorboard,
                                       resume_step=start if restored is not None else -1)
@@ -332,30 +336,38 @@ def run(c, workdir: str) -> dict:
                    ev["accuracy"], ev["problems"], ev["eval_s"])
       last.update({f"heldout_{k}": v for k, v in ev.items()})
 
-    if start == 0:
-      evaluate(0)
+    eval_due = lambda step: step % r.eval_every == 0 or step == c.total_steps
+    # From scratch, and after a run stopped between a checkpoint and its evaluation.
+    if start == 0 or (eval_due(start)
+                      and not metrics_lib.has_metric(workdir, start, "heldout_accuracy")):
+      evaluate(start)
     for step in range(start, c.total_steps):
       state, m = rl_step(setup, state, step)
       setup.engine.update_params(state.params, version=step + 1)   # 6. publish
       writer.write(step + 1, m)
       last.update(m)
       done = step + 1 == c.total_steps
-      if (step + 1) % c.log_every == 0 or done or sigterm.hit:
+      stop = preempt.should_stop(step + 1)
+      if (step + 1) % c.log_every == 0 or done or stop:
         logging.info("[rl] step %d/%d  reward %.3f  |dlogp| max %.2e  topk mism %d  masked %.4f"
                      "  clip %.3f  len %.1f  (rollout %.1fs, update %.1fs)", step + 1,
                      c.total_steps, m["reward_mean"], m["logp_abs_diff_max"],
                      m["topk_mismatches"], m["icepop_masked_frac"], m["clip_frac"],
                      m["response_len_mean"], m["rollout_s"], m["update_s"])
-      if (step + 1) % r.eval_every == 0 or done:
-        evaluate(step + 1)
-      if (step + 1) % r.checkpoint_every == 0 or done or sigterm.hit:
-        ckpts.save(step + 1, state)
-      writer.flush()
-      if sigterm.hit:
+      if (step + 1) % r.checkpoint_every == 0 or done or stop:   # before evaluating: an
+        ckpts.save(step + 1, state)                               # evaluation failure loses
+      writer.flush()                                              # no training
+      if stop:
         break
+      if eval_due(step + 1):
+        evaluate(step + 1)
   finally:
-    sigterm.restore()
+    preempt.close()
     ckpts.close()
     if writer is not None:
       writer.close()
+  if stop:
+    raise preemption.Preempted(int(state.step), workdir)
+  if start == c.total_steps:                     # finished earlier: read back
+    return {**metrics_lib.final_metrics(workdir), **last}
   return last

@@ -75,6 +75,12 @@ def policy_forward(params, tokens_bt, positions_bt, segment_ids_bt, *, cfg,
   return logp, ent, out.topk_indices
 
 
+def _keys(slots_k) -> set:
+  """The keys a top-k row selects; -1 marks an empty slot (fewer visible keys than slots,
+  and the engine's and the trainer's slot counts, min(index_topk, s), may differ)."""
+  return set(np.asarray(slots_k).tolist()) - {-1}
+
+
 def topk_mismatches(trajs, topk_lbtk, rows=None) -> tuple[int, int]:
   """(positions where some layer's engine top-k set differs from the trainer's, positions
   compared), over every position each trajectory's engine recorded.
@@ -92,7 +98,7 @@ def topk_mismatches(trajs, topk_lbtk, rows=None) -> tuple[int, int]:
       for l, tr_btk in enumerate(layers):
         if tr_btk is None:
           continue
-        if set(np.asarray(eng_lk[l]).tolist()) != set(tr_btk[row, pos].tolist()):
+        if _keys(eng_lk[l]) != _keys(tr_btk[row, pos]):
           bad += 1
           break
   return bad, total

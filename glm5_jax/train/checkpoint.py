@@ -2,7 +2,9 @@
 
 `WORKDIR/checkpoints/<step>/` holds the TrainState (params, optimizer state,
 step, RNG) and the grain iterator state; `WORKDIR/model_config.json` records
-the model shape so that a workdir of a different model is refused.
+the model shape so that a workdir of a different model is refused. A corrupt latest step
+(a truncated or missing file) is reported in one line and the previous one is used
+(`restore_latest`); `restore_params` reads params alone, into their target shardings.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
+import shutil
 
 from absl import logging
 import grain
@@ -31,7 +33,41 @@ def quiet_orbax():
     handler.addFilter(_QuietOrbax())
 
 
+def check_keep(keep, field: str = "config.keep_checkpoints") -> None:
+  """orbax keeps every checkpoint for None and deletes every one for 0: neither is meant."""
+  if not isinstance(keep, int) or keep < 1:
+    raise ValueError(f"{field}={keep!r}: expected an integer >= 1 (the newest checkpoints "
+                     "kept; the one a run resumes from is among them)")
+
+
+def check_run_fields(c, counts: tuple[str, ...]) -> None:
+  """The fields every training loop shares: `counts` (integers >= 1), keep_checkpoints,
+  learning_rate >= 0 and a seed in [0, 2**31); errors name the field."""
+  for f in counts:
+    if not isinstance(c[f], int) or isinstance(c[f], bool) or c[f] < 1:
+      raise ValueError(f"config.{f}={c[f]!r}: expected an integer >= 1")
+  check_keep(c.keep_checkpoints)
+  if not c.learning_rate >= 0:
+    raise ValueError(f"config.learning_rate={c.learning_rate}: expected >= 0")
+  if not isinstance(c.seed, int) or not 0 <= c.seed < 2**31:
+    raise ValueError(f"config.seed={c.seed!r}: expected an integer in [0, 2**31)")
+
+
+def find_model_config(path: str) -> tuple[str, "ModelConfig"]:  # noqa: F821
+  """(workdir, ModelConfig) from the model_config.json in `path` or a directory above it."""
+  from glm5_jax.config import ModelConfig  # pylint: disable=g-import-not-at-top
+  workdir = os.path.abspath(path)
+  while workdir != "/" and not os.path.exists(os.path.join(workdir, "model_config.json")):
+    workdir = os.path.dirname(workdir)
+  if workdir == "/":
+    raise FileNotFoundError(f"{path!r}: no model_config.json in it or above it; expected a "
+                            "training workdir (or one written by experiments.convert_checkpoint)")
+  with open(os.path.join(workdir, "model_config.json")) as f:
+    return workdir, ModelConfig(**json.load(f))
+
+
 def manager(workdir: str, *, keep: int, async_save: bool = True) -> ocp.CheckpointManager:
+  check_keep(keep)
   opts = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                       enable_async_checkpointing=async_save)
   return ocp.CheckpointManager(
@@ -47,35 +83,153 @@ def save(mngr: ocp.CheckpointManager, step: int, state, data_iter, *, force: boo
 
 
 def restore(mngr: ocp.CheckpointManager, step: int, abstract_state, data_iter):
-  """Restores (state placed like `abstract_state`, and `data_iter` in place)."""
-  out = mngr.restore(step, args=ocp.args.Composite(
-      state=ocp.args.StandardRestore(abstract_state),
-      data=grain.checkpoint.CheckpointRestore(data_iter)))
-  return out["state"]
+  """Restores (state placed like `abstract_state`, and `data_iter` in place unless None)."""
+  items = {"state": ocp.args.StandardRestore(abstract_state)}
+  if data_iter is not None:                  # None: a state-only manager (RL, saved params)
+    items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+  return mngr.restore(step, args=ocp.args.Composite(**items))["state"]
 
 
-def restore_params(workdir_or_ckpt: str, abstract_params):
-  """Params only, from a run's latest checkpoint (or a `.../checkpoints/<step>` dir)."""
+class CorruptCheckpoint(ValueError):
+  """A checkpoint step that cannot be read back (a truncated or missing file)."""
+
+
+def _root_cause(e: BaseException) -> str:
+  """The innermost message of an exception chain, on one line (orbax wraps tensorstore's
+  error, which names the file, in pages of its spec)."""
+  msgs = []
+  while e is not None and len(msgs) < 10:
+    msgs.append(f"{type(e).__name__}: {str(e).strip()}")
+    e = e.__cause__ or e.__context__
+  named = [m for m in msgs if "file" in m] or msgs
+  return " ".join(named[-1].split())[:400]
+
+
+def _check_files(step_dir: str) -> None:
+  """Raises CorruptCheckpoint naming the first JSON file of `step_dir` that does not parse
+  (orbax's own error names none) or a missing `state/` / commit marker."""
+  for sub in ("state", "state/_METADATA"):
+    if not os.path.exists(os.path.join(step_dir, sub)):
+      raise CorruptCheckpoint(f"{os.path.join(step_dir, sub)} is missing")
+  for root, _, files in os.walk(step_dir):
+    for f in files:
+      path = os.path.join(root, f)
+      if f.endswith(".json") or f in ("_METADATA", "_CHECKPOINT_METADATA", "_sharding"):
+        try:
+          with open(path) as fh:
+            json.load(fh)
+        except (ValueError, OSError) as e:
+          raise CorruptCheckpoint(f"{path}: {type(e).__name__}: {e}") from None
+
+
+def read_step(step_dir: str, fn):
+  """`fn()` (a restore of the checkpoint in `step_dir`), its failure as CorruptCheckpoint
+  with one line naming the file."""
+  _check_files(step_dir)
+  try:
+    return fn()
+  except CorruptCheckpoint:
+    raise
+  except Exception as e:  # pylint: disable=broad-except  (tensorstore raises bare Exception)
+    raise CorruptCheckpoint(f"{step_dir}: {_root_cause(e)}") from None
+
+
+def _saved_tree(mngr, step: int):
+  meta = mngr.item_metadata(step)["state"]
+  return meta.tree if hasattr(meta, "tree") else meta
+
+
+def _key_name(k) -> str:
+  for attr in ("name", "key", "idx"):          # GetAttrKey, DictKey, SequenceKey
+    if hasattr(k, attr):
+      return str(getattr(k, attr))
+  return str(k)
+
+
+def _tree_paths(tree) -> set:
+  """Leaf paths as 'a/b/0' (orbax's metadata turns dataclass and namedtuple fields into
+  dict keys: only the names are compared)."""
+  return {"/".join(_key_name(k) for k in p)
+          for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def restore_latest(mngr: ocp.CheckpointManager, abstract_state, data_iter, *,
+                   what: str = "this run's config"):
+  """(step, state) of the newest readable checkpoint, or (None, None) without one.
+
+  A corrupt step (a truncated or missing file) is reported in one log line naming its
+  file, moved to WORKDIR/corrupt_checkpoints/<step> (process 0) and the previous one is
+  used. A checkpoint whose state has another tree (another stage's frozen mask, another
+  optimizer) is a ValueError naming `what`, not corruption.
+  """
+  for step in sorted(mngr.all_steps(), reverse=True):
+    step_dir = os.path.join(str(mngr.directory), str(step))
+    try:
+      saved = read_step(step_dir, lambda step=step: _saved_tree(mngr, step))
+      if _tree_paths(saved) != _tree_paths(abstract_state):
+        diff = sorted(_tree_paths(saved) ^ _tree_paths(abstract_state))
+        raise ValueError(
+            f"{step_dir}: the saved training state does not fit {what} ({len(diff)} paths "
+            f"differ, e.g. {diff[:3]}); this workdir was trained with another stage or "
+            "optimizer: use a new --workdir with --config.init_from pointing at this one")
+      state = read_step(step_dir, lambda step=step: restore(mngr, step, abstract_state,
+                                                            data_iter))
+      return step, state
+    except CorruptCheckpoint as e:
+      logging.error("checkpoint step %d is unreadable, using the previous one: %s", step, e)
+      _move_aside(mngr, step)
+  return None, None
+
+
+def _move_aside(mngr, step: int) -> None:
+  src = os.path.join(str(mngr.directory), str(step))
+  if jax.process_index() == 0 and os.path.exists(src):
+    dst = os.path.join(os.path.dirname(str(mngr.directory)), "corrupt_checkpoints", str(step))
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    if os.path.exists(dst):
+      shutil.rmtree(dst)
+    os.replace(src, dst)
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    multihost_utils.sync_global_devices(f"glm5_corrupt_checkpoint_{step}")
+  mngr.reload()
+
+
+def latest_step_dir(workdir_or_ckpt: str, what: str) -> str:
+  """`.../checkpoints/<step>` of a workdir's latest step (or the step dir given)."""
   path = os.path.abspath(workdir_or_ckpt)
   if os.path.isdir(os.path.join(path, "checkpoints")):
     path = os.path.join(path, "checkpoints")
   if os.path.basename(path) == "checkpoints":
     steps = sorted(int(d) for d in os.listdir(path) if d.isdigit())
     if not steps:
-      raise FileNotFoundError(f"config.init_from={workdir_or_ckpt!r}: no checkpoints found")
+      raise FileNotFoundError(f"{what}={workdir_or_ckpt!r}: no checkpoints found")
     path = os.path.join(path, str(max(steps)))
-  state_dir = os.path.join(path, "state")
-  if not os.path.isdir(state_dir):
-    raise FileNotFoundError(f"config.init_from={workdir_or_ckpt!r}: {state_dir} does not exist")
-  with ocp.StandardCheckpointer() as ckptr:
-    meta = ckptr.metadata(state_dir)
-    tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta
-    _check_same_shapes(tree["params"], abstract_params, f"config.init_from={workdir_or_ckpt!r}")
-    # The other run's optimizer state may have another structure (another stage's
-    # mask): restore the item as saved and keep only its params.
-    restored = ckptr.restore(state_dir)
-  return jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), restored["params"],
-                      abstract_params)
+  if not os.path.isdir(os.path.join(path, "state")):
+    raise FileNotFoundError(f"{what}={workdir_or_ckpt!r}: {os.path.join(path, 'state')} does "
+                            "not exist")
+  return path
+
+
+def restore_params(workdir_or_ckpt: str, abstract_params, what: str = "config.init_from"):
+  """Params only, from a run's latest checkpoint (or a `.../checkpoints/<step>` dir), read
+  straight into the shardings of `abstract_params` (a partial restore: the other run's
+  optimizer state, whatever its structure, is never read)."""
+  step_dir = latest_step_dir(workdir_or_ckpt, what)
+  state_dir = os.path.join(step_dir, "state")
+
+  item = {"params": abstract_params}
+  try:
+    with ocp.PyTreeCheckpointer() as ckptr:
+      meta = read_step(step_dir, lambda: ckptr.metadata(state_dir))
+      tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta
+      tree = tree.tree if hasattr(tree, "tree") else tree
+      _check_same_shapes(tree["params"], abstract_params, f"{what}={workdir_or_ckpt!r}")
+      return read_step(step_dir, lambda: ckptr.restore(state_dir, args=ocp.args.PyTreeRestore(
+          item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+          partial_restore=True)))["params"]
+  except CorruptCheckpoint as e:
+    raise CorruptCheckpoint(f"{what}={workdir_or_ckpt!r}: checkpoint unreadable: {e}") from None
 
 
 def _check_same_shapes(saved, abstract, what: str):
@@ -92,7 +246,8 @@ def _check_same_shapes(saved, abstract, what: str):
 
 
 _HOW_NOT_WHAT = ("attention_type", "attention_impl", "attention_chunk_size", "remat", "dtype",
-                 "expert_dispatch")      # how a model runs, not which model it is
+                 "expert_dispatch", "moe_capacity_factor")  # how a model runs, not which
+                                                            # model it is
 
 
 def model_fields(cfg) -> dict:
@@ -106,25 +261,6 @@ def model_diff(old: dict, now: dict) -> dict:
   return {k: (old.get(k), now.get(k)) for k in set(old) | set(now) if old.get(k) != now.get(k)}
 
 
-class SigtermFlag:
-  """Sets `.hit` on SIGTERM so a training loop can checkpoint and stop cleanly."""
-
-  def __init__(self):
-    self.hit = False
-    try:
-      self._old = signal.signal(signal.SIGTERM, self._handler)
-    except ValueError:                                 # not in the main thread
-      self._old = None
-
-  def _handler(self, *_):
-    logging.warning("SIGTERM: checkpointing and stopping")
-    self.hit = True
-
-  def restore(self):
-    if self._old is not None:
-      signal.signal(signal.SIGTERM, self._old)
-
-
 def check_model_config(workdir: str, cfg) -> None:
   """Writes WORKDIR/model_config.json, or refuses a workdir of a different model shape."""
   path = os.path.join(workdir, "model_config.json")
@@ -132,6 +268,10 @@ def check_model_config(workdir: str, cfg) -> None:
   if os.path.exists(path):
     with open(path) as f:
       old = json.load(f)
+    # A field added to ModelConfig after the workdir was written, at its default, is the
+    # same model.
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    old = {**{k: v for k, v in now.items() if k not in old and v == defaults.get(k)}, **old}
     diff = model_diff(old, now)
     if diff:
       raise ValueError(f"workdir {workdir!r} holds a run of a different model "
@@ -164,7 +304,7 @@ def save_params(workdir: str, cfg, params, *, step: int = 0) -> str:
   return workdir
 
 
-def load_model(path: str):
+def load_model(path: str, what: str = "checkpoint"):
   """(ModelConfig, params) from a Hugging Face directory or a pretraining workdir.
 
   A workdir (or one of its `checkpoints/<step>` dirs) gives its latest (or that)
@@ -174,16 +314,8 @@ def load_model(path: str):
     from glm5_jax import hf  # pylint: disable=g-import-not-at-top
     return hf.load_pretrained(path)
   from glm5_jax import nn as gnn  # pylint: disable=g-import-not-at-top
-  from glm5_jax.config import ModelConfig  # pylint: disable=g-import-not-at-top
-  workdir = os.path.abspath(path)
-  while workdir != "/" and not os.path.exists(os.path.join(workdir, "model_config.json")):
-    workdir = os.path.dirname(workdir)
-  if workdir == "/":
-    raise FileNotFoundError(f"{path!r}: no model_config.json in it or above it; expected a "
-                            "pretraining workdir")
-  with open(os.path.join(workdir, "model_config.json")) as f:
-    cfg = ModelConfig(**json.load(f))
+  _, cfg = find_model_config(path)
   shapes, _ = gnn.abstract_params(cfg)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), shapes)
-  return cfg, restore_params(path, target)
+  return cfg, restore_params(path, target, what=what)

@@ -59,17 +59,43 @@ class MetricWriter:
         self._tb.close()
 
 
+def read_rows(workdir: str) -> list[dict]:
+  """The rows of WORKDIR/metrics.jsonl ([] without one)."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def final_metrics(workdir: str) -> dict:
+  """The last value of every metric in WORKDIR/metrics.jsonl (a finished run read back)."""
+  merged = {}
+  for row in read_rows(workdir):
+    merged.update(row)
+  return merged
+
+
+def has_metric(workdir: str, step: int, key: str) -> bool:
+  return any(r["step"] == step and key in r for r in read_rows(workdir))
+
+
 class Progress:
-  """steps/s, tokens/s and ETA over the last logging window."""
+  """steps/s, tokens/s and ETA over the last logging window, training time only: what
+  `exclude` is given (evaluation, checkpoints, profiling) is left out."""
 
   def __init__(self, start_step: int, total_steps: int, tokens_per_step: int):
     self.total, self.tokens_per_step = total_steps, tokens_per_step
     self._t, self._step = time.perf_counter(), start_step
+    self._excluded = 0.0
+
+  def exclude(self, seconds: float):
+    self._excluded += seconds
 
   def update(self, step: int) -> dict:
     now = time.perf_counter()
-    dt, ds = now - self._t, max(step - self._step, 1)
-    self._t, self._step = now, step
+    dt, ds = now - self._t - self._excluded, max(step - self._step, 1)
+    self._t, self._step, self._excluded = now, step, 0.0
     sps = ds / max(dt, 1e-9)
     return {"steps_per_s": sps, "tokens_per_s": sps * self.tokens_per_step,
             "eta_s": (self.total - step) / max(sps, 1e-9)}

@@ -8,6 +8,10 @@ table). Post-training (§3) writes SFT conversations for `post.task`, fine-tunes
 (`stage="sft"`) and runs synchronous GRPO on the same task (`glm5_jax.rl.grpo`), measuring
 held-out accuracy (greedy) after SFT and after GRPO. A stage already finished is read back,
 not run again.
+
+Preemption (train/preemption.py): SIGTERM stops the running stage at a checkpoint and ends
+the job (exit 0) before any later stage; the rerun resumes that stage and continues, so the
+summary is the uninterrupted job's.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from glm5_jax.data import corpus
 from glm5_jax.rl import grpo
 from glm5_jax.rl import tasks
 from glm5_jax.train import loop
+from glm5_jax.train import metrics as metrics_lib
 
 
 def _stage_config(base, stage: str, steps: int, init_from: str, lr: float, warmup: int):
@@ -116,11 +121,8 @@ def run_all(c, workdir: str) -> dict:
 
 def _final_metrics(result: dict, workdir: str) -> dict:
   """The stage's last value of every metric: what `run` returned, over its metrics.jsonl
-  (a stage finished by an earlier run returns nothing and is read back)."""
-  merged = {}
-  for row in _read_metrics(workdir):
-    merged.update(row)
-  return {**merged, **(result or {})}
+  (a stage finished by an earlier run, or resumed after a preemption, is read back)."""
+  return {**metrics_lib.final_metrics(workdir), **(result or {})}
 
 
 def _heldout_accuracies(workdir: str) -> list[tuple[int, float]]:
@@ -139,26 +141,33 @@ def _summarize(results, timings, meta, workdir):
   out = {"stages": rows, "unigram_entropy_bits_per_byte":
          meta["train_unigram_entropy_bits_per_token"] * meta["splits"]["train"]["tokens"]
          / max(meta["splits"]["train"]["bytes"], 1),
-         "dsa_vs_dense_relative_loss_gap": (sparse - dense) / dense}
+         "dsa_vs_dense_relative_loss_gap":
+             None if dense is None or sparse is None else (sparse - dense) / dense}
   if "grpo" in results:
     rl_dir = os.path.join(workdir, "grpo")
-    acc = _heldout_accuracies(rl_dir)
+    acc = _heldout_accuracies(rl_dir) or [(0, None)]
     steps = [m for m in _read_metrics(rl_dir) if "reward_mean" in m]
     out["post_training"] = {
         "heldout_accuracy_after_sft": acc[0][1], "heldout_accuracy_after_grpo": acc[-1][1],
         "heldout_problems": _final_metrics({}, rl_dir).get("heldout_problems"),
         "grpo_steps": len(steps),
-        "train_rollout_logp_abs_diff_max": max(m["logp_abs_diff_max"] for m in steps),
+        "train_rollout_logp_abs_diff_max": max((m["logp_abs_diff_max"] for m in steps),
+                                               default=None),
         "topk_mismatches": sum(m["topk_mismatches"] for m in steps),
         "topk_positions_compared": sum(m["topk_positions"] for m in steps),
         "sft_eval_loss": rows["sft"]["eval_loss"]}
   return out
 
 
+def _nan(v):
+  """A metric a stage did not produce (None) prints as nan."""
+  return math.nan if v is None else v
+
+
 def _table(s) -> str:
   lines = [f"{'stage':<16}{'eval loss':>11}{'bits/byte':>11}{'indexer KL':>12}{'tokens/s':>10}"
            f"{'wall s':>9}"]
-  nan = lambda v: math.nan if v is None else v
+  nan = _nan
   for name, r in s["stages"].items():
     kl = r["eval_indexer_kl"]
     lines.append(f"{name:<16}{nan(r['eval_loss']):>11.4f}{nan(r['eval_bits_per_byte']):>11.4f}"
@@ -166,9 +175,10 @@ def _table(s) -> str:
                  f"{r['wall_s']:>9.0f}")
   lines.append(f"unigram entropy of the corpus: {s['unigram_entropy_bits_per_byte']:.3f} bits/byte")
   lines.append(f"DSA sparse vs dense continuation, held-out loss gap: "
-               f"{100 * s['dsa_vs_dense_relative_loss_gap']:+.2f}%")
+               f"{100 * nan(s['dsa_vs_dense_relative_loss_gap']):+.2f}%")
   p = s.get("post_training")
   if p:
+    p = {k: nan(v) for k, v in p.items()}
     lines.append(
         f"held-out accuracy ({p['heldout_problems']:.0f} problems, greedy): after SFT "
         f"{p['heldout_accuracy_after_sft']:.3f}, after GRPO {p['heldout_accuracy_after_grpo']:.3f}"

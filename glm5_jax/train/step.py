@@ -17,6 +17,7 @@ trainer's and the rollout engine's top-k stay the same function of the same weig
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax
@@ -127,15 +128,33 @@ def targets(batch, offset: int):
                                    segment_ids=batch["segment_ids"])
 
 
-def loss_fn(params, batch, *, cfg, stage: str, loss_chunk: int):
-  """Total loss and its parts for one batch {tokens, segment_ids, positions}."""
+def target_offsets(cfg, stage: str) -> list[int]:
+  """Target offsets of a stage's losses: 1 (next token) and 2..D+1 (MTP steps)."""
+  st, mcfg = get_stage(stage), stage_model_config(cfg, stage)
+  return [1] + ([k + 2 for k in range(mcfg.mtp_num_steps)] if mcfg.has_mtp and st.lm_loss
+                else [])
+
+
+def loss_fn(params, batch, *, cfg, stage: str, loss_chunk: int, norm=None):
+  """Total loss and its parts for one batch {tokens, segment_ids, positions}.
+
+  norm: None, or this batch's share of a larger one (gradient accumulation,
+    `train_step`): {"tokens": {offset: target tokens of the whole batch}, "parts": number
+    of equal parts}. Each token-weighted mean is then this part's sum over the whole
+    batch's count, and the row mean (indexer KL) is divided by the number of parts, so the
+    parts' losses, gradients and parts["loss" | "ce" | "mtp" | "indexer_kl" | "tokens"]
+    add up to the whole batch's.
+  """
   st = get_stage(stage)
   mcfg = stage_model_config(cfg, stage)
   with_kl = st.indexer_kl
   # Targets at offset 1 (next token) and 2..D+1 (MTP steps), in natural order.
-  offsets = [1] + ([k + 2 for k in range(mcfg.mtp_num_steps)]
-                   if mcfg.has_mtp and st.lm_loss else [])
+  offsets = target_offsets(cfg, stage)
   tgt = {o: targets(batch, o) for o in offsets}
+  # A mean over this batch's n tokens, rescaled to a share of the whole batch's N.
+  share = ((lambda o, n: 1.0) if norm is None
+           else (lambda o, n: n / jnp.maximum(norm["tokens"][o], 1.0)))
+  n_parts = 1 if norm is None else norm["parts"]
   inputs = (batch["tokens"], batch["positions"], batch["segment_ids"])
   order = None
   if cp.size() > 1:                      # context parallelism: zig-zag rows over `context`
@@ -147,18 +166,21 @@ def loss_fn(params, batch, *, cfg, stage: str, loss_chunk: int):
   head = params["lm_head"]["kernel"]
   y, m = tgt[1]
   ce, n_tok = losses.chunked_cross_entropy(out.hidden, head, y, m, chunk_size=loss_chunk)
+  ce = ce * share(1, n_tok)
   mtp_ce = []
   if out.mtp_hidden is not None and st.lm_loss:
     for k in range(mcfg.mtp_num_steps):
       yk, mk = tgt[k + 2]
-      mtp_ce.append(losses.chunked_cross_entropy(out.mtp_hidden[k], head, yk, mk,
-                                                 chunk_size=loss_chunk)[0])
+      ce_k, n_k = losses.chunked_cross_entropy(out.mtp_hidden[k], head, yk, mk,
+                                               chunk_size=loss_chunk)
+      mtp_ce.append(ce_k * share(k + 2, n_k))
   mtp = losses.mtp_loss(mtp_ce, mcfg.mtp_loss_weight)
   kl = jnp.zeros(()) if out.indexer_kl is None else jnp.sum(out.indexer_kl)
   n_kl_layers = max(1, mcfg.num_hidden_layers)
   if out.mtp_indexer_kl is not None:            # the shared MTP layer's indexer, once
     kl = kl + jnp.mean(out.mtp_indexer_kl)
     n_kl_layers += 1
+  kl = kl / n_parts                             # a mean over rows: equal parts
   if not st.lm_loss:
     total = kl                                    # only the indexer trains
   else:
@@ -166,10 +188,16 @@ def loss_fn(params, batch, *, cfg, stage: str, loss_chunk: int):
   load = out.expert_load
   parts = {"loss": total, "ce": ce, "mtp": mtp, "indexer_kl": kl / n_kl_layers,
            "tokens": n_tok,
-           "expert_imbalance": jnp.max(load) / jnp.maximum(jnp.mean(load), 1e-9)
-           if load.size else jnp.zeros(())}
+           "expert_imbalance": expert_imbalance(load)}
   mtp_load = None if out.mtp_expert_load is None else jnp.mean(out.mtp_expert_load, axis=0)
   return total, (parts, (load, mtp_load))
+
+
+def expert_imbalance(load):
+  """max / mean of the expert load (1 = balanced); 0 without MoE layers."""
+  if not load.size:
+    return jnp.zeros(())
+  return jnp.max(load) / jnp.maximum(jnp.mean(load), 1e-9)
 
 
 def _with_new_bias(layer_params, load, rate):
@@ -210,10 +238,53 @@ def update_routing_biases(cfg, params, loads, rate: float):
   return params
 
 
-def train_step(state: TrainState, batch, *, cfg, stage, tx, loss_chunk, bias_rate):
-  (_, (parts, load)), grads = jax.value_and_grad(
-      lambda p: loss_fn(p, batch, cfg=cfg, stage=stage, loss_chunk=loss_chunk),
-      has_aux=True)(state.params)
+def _split(x, n: int):
+  """[B, ...] -> [n, B / n, ...]; part m holds rows m, m + n, m + 2n, ... (strided, so a
+  batch sharded over devices in contiguous blocks keeps every device busy in every part)."""
+  return jnp.moveaxis(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 1, 0)
+
+
+def grads_and_parts(params, batch, *, cfg, stage, loss_chunk, microbatches: int = 1):
+  """Gradient of the batch's loss, its parts and expert loads, `microbatches` rows at a time.
+
+  Gradient accumulation: the batch is cut into `microbatches` equal parts (`_split`) run
+  one after another by `lax.scan`; each part's loss is its share of the whole batch's
+  (`loss_fn`'s `norm`: token sums over the whole batch's token counts), so the summed
+  gradients and parts equal the whole batch's; expert loads (fractions of equal parts'
+  routed slots) are averaged. Returns (grads, parts, (expert_load, mtp_load)).
+  """
+  loss = functools.partial(loss_fn, cfg=cfg, stage=stage, loss_chunk=loss_chunk)
+  grad_fn = jax.value_and_grad(loss, has_aux=True)
+  if microbatches == 1:
+    (_, (parts, load)), grads = grad_fn(params, batch)
+    return grads, parts, load
+  b = batch["tokens"].shape[0]
+  if b % microbatches:
+    raise ValueError(f"config.microbatches={microbatches} does not divide the batch's "
+                     f"{b} rows")
+  norm = {"tokens": {o: jnp.sum(targets(batch, o)[1]) for o in target_offsets(cfg, stage)},
+          "parts": microbatches}
+  parts_bt = jax.tree.map(lambda x: _split(x, microbatches), batch)
+
+  def one(part):
+    (_, (parts, load)), grads = grad_fn(params, part, norm=norm)
+    parts = {k: v for k, v in parts.items() if k != "expert_imbalance"}
+    return grads, parts, jax.tree.map(lambda x: x / microbatches, load)
+
+  def body(acc, part):
+    return jax.tree.map(jnp.add, acc, one(part)), None
+
+  shapes = jax.eval_shape(one, jax.tree.map(lambda x: x[0], parts_bt))
+  acc0 = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+  (grads, parts, load), _ = jax.lax.scan(body, acc0, parts_bt)
+  return grads, {**parts, "expert_imbalance": expert_imbalance(load[0])}, load
+
+
+def train_step(state: TrainState, batch, *, cfg, stage, tx, loss_chunk, bias_rate,
+               microbatches: int = 1):
+  """One optimizer update on `batch` (in `microbatches` parts, see `grads_and_parts`)."""
+  grads, parts, load = grads_and_parts(state.params, batch, cfg=cfg, stage=stage,
+                                       loss_chunk=loss_chunk, microbatches=microbatches)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   if get_stage(stage).lm_loss:                    # the routed layers run forward for the LM

@@ -1,0 +1,99 @@
+"""Training config checks that need no run: each bad value is refused before anything is
+built, with the field and the allowed values; throughput leaves out evaluation time; the
+main job's summary prints a stage's missing metric as nan."""
+
+import json
+import os
+
+import pytest
+
+from configs import pretrain
+from glm5_jax.train import loop
+from glm5_jax.train import metrics as metrics_lib
+from glm5_jax.train import stages
+
+
+def _config(**fields):
+  c = pretrain.get_config("model=tiny,runlocal=True")
+  for k, v in fields.items():
+    *parents, leaf = k.split(".")
+    node = c
+    for p in parents:
+      node = node[p]
+    node[leaf] = v
+  return c
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("learning_rate", -1e-3, r"config.learning_rate=-0.001: expected >= 0"),
+    ("loss_chunk", 0, r"config.loss_chunk=0: expected an integer >= 1"),
+    ("eval_batches", 0, r"config.eval_batches=0: expected an integer >= 1"),
+    ("keep_checkpoints", 0, r"config.keep_checkpoints=0: expected an integer >= 1"),
+    ("seed", 2**40, r"config.seed=1099511627776: expected an integer in \[0, 2\*\*31\)"),
+    ("seed", -1, r"config.seed=-1: expected an integer in \[0, 2\*\*31\)"),
+    ("param_init", "gpu", r"config.param_init='gpu': expected 'auto', 'host' or 'jit'"),
+    ("profile_steps", (5, 2), r"config.profile_steps=\(5, 2\): expected \(\) or \(start, stop\)"),
+])
+def test_bad_field_is_refused_with_its_name(field, value, match):
+  with pytest.raises(ValueError, match=match):
+    loop.validate_config(_config(**{field: value}))
+
+
+def test_default_config_is_valid():
+  loop.validate_config(_config())
+  loop.validate_config(_config(profile_steps=(2, 4)))
+
+
+def test_val_fraction_zero_on_a_fresh_data_dir_is_refused(tmp_path):
+  c = _config(**{"data.dir": str(tmp_path / "fresh"), "data.val_fraction": 0.0})
+  with pytest.raises(ValueError, match=r"config.data.val_fraction=0.0: expected in \(0, 1\)"):
+    loop.ensure_data(c)
+  assert not os.path.exists(tmp_path / "fresh")             # nothing prepared
+
+
+def test_validation_split_shorter_than_a_row_is_refused(tmp_path):
+  meta = {"vocab_size": 300, "splits": {"train": {"tokens": 10_000, "bytes": 10_000},
+                                        "validation": {"tokens": 100, "bytes": 100}}}
+  with open(tmp_path / "meta.json", "w") as f:
+    json.dump(meta, f)
+  c = _config(**{"data.dir": str(tmp_path), "seq_len": 256})
+  with pytest.raises(ValueError, match="validation split holds 100 tokens, fewer than one row "
+                                       "of config.seq_len=256"):
+    loop.ensure_data(c)
+
+
+def test_throughput_leaves_out_excluded_time(monkeypatch):
+  clock = iter([0.0, 10.0, 20.0])
+  monkeypatch.setattr(metrics_lib.time, "perf_counter", lambda: next(clock))
+  p = metrics_lib.Progress(0, 100, tokens_per_step=50)
+  p.exclude(8.0)                                           # e.g. an evaluation and a save
+  assert p.update(4)["steps_per_s"] == pytest.approx(4 / 2.0)
+  assert p.update(8)["tokens_per_s"] == pytest.approx(4 * 50 / 10.0)   # reset per window
+
+
+def test_summary_of_stages_without_eval_metrics_prints_nan(tmp_path):
+  for name in ("pretrain", "dense_baseline", "dsa_warmup", "dsa_sparse"):
+    os.makedirs(tmp_path / name)
+    with open(tmp_path / name / "metrics.jsonl", "w") as f:
+      f.write(json.dumps({"step": 1, "loss": 1.0}) + "\n")
+  meta = {"train_unigram_entropy_bits_per_token": 4.0,
+          "splits": {"train": {"tokens": 10, "bytes": 10}}}
+  s = stages._summarize({n: {} for n in ("pretrain", "dense_baseline", "dsa_warmup",
+                                        "dsa_sparse")},
+                        dict.fromkeys(("pretrain", "dense_baseline", "dsa_warmup",
+                                       "dsa_sparse"), 1.0), meta, str(tmp_path))
+  assert s["dsa_vs_dense_relative_loss_gap"] is None
+  assert "nan" in stages._table(s)
+
+
+def test_profile_steps_write_a_trace_of_those_steps(tmp_path):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  c = _config(profile_steps=(1, 3))
+  tracing, seen = False, []
+  for step in range(5):
+    tracing = loop._profile(c, str(tmp_path), step, tracing)
+    seen.append(tracing)
+    (jnp.ones(4) * step).block_until_ready()
+  assert seen == [False, True, True, False, False]
+  traces = [f for _, _, fs in os.walk(tmp_path / "profile") for f in fs if f.endswith(".xplane.pb")]
+  assert len(traces) == 1
