@@ -126,6 +126,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow
 def test_sharded_load_and_save_on_8_devices(tiny_ckpt, tmp_path):
   """Loads onto fsdp x expert x tensor = 2x2x2 (and the fused expert layout); saves from the
   sharded arrays."""

@@ -101,6 +101,7 @@ def test_select_topk_clamps_to_the_keys_and_drops_only_empty_slots(tiny_cfg, rng
   assert np.all(np.asarray(unclamped[..., s:]) == -1)
 
 
+@pytest.mark.slow
 def test_huge_index_topk_equals_topk_of_the_context_and_memory_stays_bounded(
     tiny_cfg, tiny_params, tiny_tokens):
   from glm5_jax import nn as gnn

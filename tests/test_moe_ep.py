@@ -5,6 +5,8 @@ Runs in a subprocess with 8 fake CPU devices (the device count is fixed at jax i
 
 import textwrap
 
+import pytest
+
 from tests import fake_devices
 from tests import seeding
 
@@ -36,6 +38,28 @@ _SCRIPT = textwrap.dedent("""
     for a, b in zip(g, ref_g):   # float32 sums in another order: atol relative to the scale
       np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(np.abs(b).max()))
     assert "all-to-all" in hlo
+  with jax.set_mesh(shd.make_mesh({"data": 8, "fsdp": 1, "expert": 1, "tensor": 1})):
+    assert moe_ep.expert_parallel_size() == 1
+  print("OK")
+""")
+
+
+def test_all_to_all_dispatch_equals_grouped_matmuls_with_gradients():
+  fake_devices.run_script(_SCRIPT.replace("SEED", str(seeding.seed())), devices=8)
+
+
+_CAPACITY = textwrap.dedent("""
+  import jax, jax.numpy as jnp, numpy as np
+  from glm5_jax import sharding as shd
+  from glm5_jax.nn import moe, moe_ep
+  rng = np.random.default_rng(SEED)
+  n, d, i, e, k = 48, 8, 6, 8, 2
+  x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
+  ids = jnp.asarray(np.stack([rng.choice(e, k, replace=False, p=[.5] + [.5 / 7] * 7)
+                              for _ in range(n)]), jnp.int32)      # skewed: expert 0 hot
+  wts = jnp.asarray(rng.random((n, k)), jnp.float32)
+  w = [jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32)
+       for s in ((e, d, i), (e, d, i), (e, i, d))]
   # A capacity factor of 1 on the skewed routing drops pairs to the hot shard, and equals
   # the grouped matmuls with the dropped pairs' weights zeroed; its buffers are smaller.
   assert moe_ep.capacity(6, k, 8, 8.0) == 6 * k                    # c >= ep: dropless
@@ -52,11 +76,10 @@ _SCRIPT = textwrap.dedent("""
       np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(np.abs(b).max()))
     temp = lambda fn: fn.lower(x, *w).compile().memory_analysis().temp_size_in_bytes
     assert temp(fwd) < temp(jax.jit(f(0.0))), (temp(fwd), temp(jax.jit(f(0.0))))
-  with jax.set_mesh(shd.make_mesh({"data": 8, "fsdp": 1, "expert": 1, "tensor": 1})):
-    assert moe_ep.expert_parallel_size() == 1
   print("OK")
 """)
 
 
-def test_all_to_all_dispatch_equals_grouped_matmuls_with_gradients():
-  fake_devices.run_script(_SCRIPT.replace("SEED", str(seeding.seed())), devices=8)
+@pytest.mark.slow
+def test_capacity_factor_drops_overflow_pairs_and_shrinks_the_buffers():
+  fake_devices.run_script(_CAPACITY.replace("SEED", str(seeding.seed())), devices=8)
