@@ -71,6 +71,9 @@ _RULES = flags.DEFINE_enum(
 _DISPATCH = flags.DEFINE_enum(
     "expert_dispatch", "all_to_all", ["all_to_all", "gspmd"],
     "ModelConfig.expert_dispatch with expert > 1: nn/moe_ep.py's dropless all-to-all, or GSPMD")
+_CAPACITY = flags.DEFINE_float(
+    "moe_capacity_factor", 0.0, "ModelConfig.moe_capacity_factor: 0 = dropless all-to-all "
+    "buffers sized for the worst case; c > 0 bounds them to ceil(c n K / ep) rows per shard pair")
 PARTS = ("step", "grad", "update")
 _PART = flags.DEFINE_enum("part", "step", list(PARTS),
                           "what to compile: the train step, or (to split its memory) only the "
@@ -113,9 +116,11 @@ def train_config(stage: str, seq_len: int, batch: int, mesh_sizes: dict[str, int
   return c
 
 
-def model_config(stage: str, num_layers: int, param_dtype: str, dispatch: str):
+def model_config(stage: str, num_layers: int, param_dtype: str, dispatch: str,
+                 capacity_factor: float = 0.0):
   over = dict(dtype="bfloat16", param_dtype=param_dtype, remat="full", attention_impl="xla",
-              num_hidden_layers=num_layers, expert_dispatch=dispatch)
+              num_hidden_layers=num_layers, expert_dispatch=dispatch,
+              moe_capacity_factor=capacity_factor)
   return step_lib.stage_model_config(config_lib.get_preset("glm5", **over), stage)
 
 
@@ -150,7 +155,8 @@ def _oom(msg: str) -> dict:
 
 
 def compile_one(topology, devices, mesh_sizes, stage, seq_len, num_layers, param_dtype,
-                rule_name, dispatch, hbm, *, part="step", do_compile=True):
+                rule_name, dispatch, hbm, *, part="step", do_compile=True,
+                capacity_factor: float = 0.0):
   """Compiles one train step; returns a result row.
 
   `state_bytes` (params + optimizer state + batch per device) comes from the shardings,
@@ -162,10 +168,11 @@ def compile_one(topology, devices, mesh_sizes, stage, seq_len, num_layers, param
   if n_ctx > 1 and seq_len % (2 * n_ctx):
     raise ValueError(f"--seq_lens entry {seq_len} is not divisible by 2 * context = {2 * n_ctx}")
   row = dict(topology=topology, mesh={a: int(mesh.shape[a]) for a in shd.MESH_AXES},
-             part=part, rules=rule_name, expert_dispatch=dispatch, stage=stage, seq_len=seq_len,
+             part=part, rules=rule_name, expert_dispatch=dispatch,
+             moe_capacity_factor=capacity_factor, stage=stage, seq_len=seq_len,
              global_batch=batch, tokens_per_device=batch * seq_len // mesh.size,
              num_layers=num_layers, param_dtype=param_dtype, hbm_bytes=hbm * GIB)
-  cfg = model_config(stage, num_layers, param_dtype, dispatch)
+  cfg = model_config(stage, num_layers, param_dtype, dispatch, capacity_factor)
   c = train_config(stage, seq_len, batch, mesh_sizes)
   tx = step_lib.make_optimizer(c)
   # Outside the mesh context, as in the loop: GLM5.init traces the model on [1, 8] tokens,
@@ -307,7 +314,8 @@ def main(argv):
   settings = dict(topology=_TOPOLOGY.value, device_kind=kind, hbm_gib=hbm, jax=jax.__version__,
                   preset="glm5", num_layers=layers, param_dtype=_PARAM_DTYPE.value,
                   dtype="bfloat16", remat="full", attention_impl="xla", rules=_RULES.value,
-                  expert_dispatch=_DISPATCH.value, part=_PART.value)
+                  expert_dispatch=_DISPATCH.value, moe_capacity_factor=_CAPACITY.value,
+                  part=_PART.value)
   print(f"target: {len(devices)} x {kind}, {hbm:g} GiB HBM each; compiled on "
         f"{jax.devices()[0].device_kind}; {settings}")
   rows = []
@@ -316,7 +324,7 @@ def main(argv):
       for t in (int(x) for x in _SEQ_LENS.value):
         r = compile_one(_TOPOLOGY.value, devices, sizes, stage, t, layers, _PARAM_DTYPE.value,
                         _RULES.value, _DISPATCH.value, hbm, part=_PART.value,
-                        do_compile=_COMPILE.value)
+                        do_compile=_COMPILE.value, capacity_factor=_CAPACITY.value)
         rows.append(r)
         done = {True: "ok", None: "not compiled", False: f"FAILED {r.get('error', '')[:300]}"}
         print(f"  {sizes} {stage} t={t}: {done[r['ok']]} ({r['compile_seconds']:.0f} s); "
