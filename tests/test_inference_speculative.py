@@ -59,6 +59,7 @@ def target_logp(cfg, params):
   return run
 
 
+@pytest.mark.slow
 def test_greedy_speculative_emits_the_plain_greedy_tokens(engine, target_logp, rng):
   prompts = [rng.integers(0, V, n).tolist() for n in (3, 11, 20)]
   outs = engine.generate(prompts, SamplingParams(max_new_tokens=24, temperature=0.0))

@@ -118,6 +118,7 @@ def _moe_and_params(rng, cfg):
   return module, params
 
 
+@pytest.mark.slow
 def test_moe_gather_path_equals_grouped_path_on_padded_batch(rng, monkeypatch):
   cfg = config_lib.get_preset("tiny")
   module, params = _moe_and_params(rng, cfg)
