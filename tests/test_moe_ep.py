@@ -10,7 +10,8 @@ import pytest
 from tests import fake_devices
 from tests import seeding
 
-_SCRIPT = textwrap.dedent("""
+# Skewed routing (expert 0 hot) of 48 tokens to 8 experts, seeded by the test id.
+_SETUP = """
   import jax, jax.numpy as jnp, numpy as np
   from glm5_jax import sharding as shd
   from glm5_jax.nn import moe, moe_ep
@@ -22,6 +23,9 @@ _SCRIPT = textwrap.dedent("""
   wts = jnp.asarray(rng.random((n, k)), jnp.float32)
   w = [jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32)
        for s in ((e, d, i), (e, d, i), (e, i, d))]
+"""
+
+_SCRIPT = textwrap.dedent(_SETUP + """
   loss = lambda f: lambda x, *w: jnp.sum(f(x, ids, wts, *w)[0] ** 2)
   ref, ref_counts = moe.grouped_swiglu(x, ids, wts, *w)
   ref_g = jax.grad(loss(moe.grouped_swiglu), range(4))(x, *w)
@@ -48,18 +52,7 @@ def test_all_to_all_dispatch_equals_grouped_matmuls_with_gradients():
   fake_devices.run_script(_SCRIPT.replace("SEED", str(seeding.seed())), devices=8)
 
 
-_CAPACITY = textwrap.dedent("""
-  import jax, jax.numpy as jnp, numpy as np
-  from glm5_jax import sharding as shd
-  from glm5_jax.nn import moe, moe_ep
-  rng = np.random.default_rng(SEED)
-  n, d, i, e, k = 48, 8, 6, 8, 2
-  x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
-  ids = jnp.asarray(np.stack([rng.choice(e, k, replace=False, p=[.5] + [.5 / 7] * 7)
-                              for _ in range(n)]), jnp.int32)      # skewed: expert 0 hot
-  wts = jnp.asarray(rng.random((n, k)), jnp.float32)
-  w = [jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32)
-       for s in ((e, d, i), (e, d, i), (e, i, d))]
+_CAPACITY = textwrap.dedent(_SETUP + """
   # A capacity factor of 1 on the skewed routing drops pairs to the hot shard, and equals
   # the grouped matmuls with the dropped pairs' weights zeroed; its buffers are smaller.
   assert moe_ep.capacity(6, k, 8, 8.0) == 6 * k                    # c >= ep: dropless
