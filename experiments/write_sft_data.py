@@ -2,6 +2,10 @@ r"""Writes SFT conversations (JSONL, the chat schema of glm5_jax/data/chat.py) f
 
   python -m experiments.write_sft_data --task=arith --options=max_digits=2,ops=+ \
       --n=7000 --out=/tmp/arith.jsonl
+  python -m experiments.write_sft_data --task=tool_calc --n=7000 --out=/tmp/tool_calc.jsonl
+
+Tool tasks (tool_calc, tool_search, tool_python) write multi-turn conversations: the
+assistant calls the tool, the observation holds its output, the assistant answers.
 """
 
 import dataclasses
@@ -12,7 +16,7 @@ from absl import flags
 from configs import common
 from glm5_jax.rl import tasks
 
-_TASK = flags.DEFINE_string("task", "arith", f"one of {tasks.names()}")
+_TASK = flags.DEFINE_string("task", "arith", f"one of {tasks.names() + tasks.tool_names()}")
 _OPTIONS = flags.DEFINE_string("options", "", "task options, k=v,k=v (the task's Config fields)")
 _N = flags.DEFINE_integer("n", 5000, "training conversations")
 _SEED = flags.DEFINE_integer("seed", 0, "problem draw seed")

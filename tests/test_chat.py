@@ -374,3 +374,54 @@ def test_get_chat_tokenizer_names_a_missing_token(tmp_path):
   with pytest.raises(ValueError, match="data.tokenizer='gpt2'"):
     chat.get_chat_tokenizer("gpt2")
   assert isinstance(chat.get_chat_tokenizer("bytes"), tokenizers.ByteTokenizer)
+
+
+# --------------------------------------------------------------------------------------
+# Incremental rendering of a tool episode (RL: tokens in, tokens out)
+# --------------------------------------------------------------------------------------
+
+def _tool_episode(rng, thinking: bool, n_turns=4) -> dict:
+  """system?, user, then assistant turns that call tools (observations between), a final
+  answer: the shape of one RL tool episode."""
+  msgs = [{"role": "system", "content": _random_text(rng)}] if rng.integers(2) else []
+  msgs.append({"role": "user", "content": _random_text(rng)})
+  for t in range(n_turns):
+    last = t == n_turns - 1
+    calls = [] if last else [
+        {"name": f"tool_{j}", "arguments": {f"a{k}": _random_value(rng)
+                                            for k in range(rng.integers(0, 3))}}
+        for j in range(rng.integers(1, 3))]
+    msgs.append({"role": "assistant", "content": _random_text(rng) if last else "",
+                 "reasoning": _random_text(rng) if thinking else None, "tool_calls": calls})
+    if calls:
+      msgs.append({"role": "observation", "content": [_random_text(rng) for _ in calls]})
+  return _conv(msgs)
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_incremental_observations_rebuild_render_token_for_token(tok, rng, thinking):
+  """prompt + turn 1 (stop token included) + render_observation + turn 2 ... == render."""
+  for _ in range(3):
+    msgs = chat.validate(_tool_episode(rng, thinking), "random")["messages"]
+    first = next(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+    ids = chat.render_prompt(_conv(msgs[:first]), tok, enable_thinking=thinking).tolist()
+    for i in range(first, len(msgs)):
+      m = msgs[i]
+      if m["role"] == "observation":
+        ids += chat.render_observation(m["content"], tok, enable_thinking=thinking).tolist()
+        continue
+      # What the model generates for turn i: render of the turn less its generation prompt.
+      prompt = chat.render_prompt(_conv(msgs[:i]), tok, enable_thinking=thinking)
+      turn = chat.render(_conv(msgs[:i + 1]), tok).ids[len(prompt):].tolist()
+      assert ids == prompt.tolist()
+      ids += turn
+    assert ids == chat.render(_conv(msgs), tok).ids.tolist()
+
+
+def test_render_observation_layout_and_bad_results(tok):
+  got = chat.render_observation(["12 C", ""], tok, enable_thinking=False).tolist()
+  assert got == _ids(tok, "\n", "<tool_response>", "12 C", "</tool_response>",
+                     "<tool_response>", "", "</tool_response>", "<|assistant|>", "\n",
+                     "<think>", "</think>")
+  with pytest.raises(ValueError, match="results="):
+    chat.render_observation("12 C", tok, enable_thinking=True)

@@ -324,6 +324,29 @@ def render_prompt(conversation, tokenizer, *, enable_thinking: bool = True,
   return _to_ids(pieces, tokenizer).ids
 
 
+def render_observation(results: list[str], tokenizer, *, enable_thinking: bool) -> np.ndarray:
+  """Tool results -> the ids that follow the assistant's `<|observation|>` stop token: int32 [n].
+
+  "\n", one `<tool_response>` r `</tool_response>` per result (in call order), then the next
+  generation prompt `<|assistant|>` "\n" (+ `<think></think>` with enable_thinking=False, as
+  `render_prompt` writes it). In a multi-turn tool episode, prompt + turn 1 (with its stop
+  token) + observation 1 + turn 2 ... equals `render` of the same conversation token for
+  token, so an RL episode appends these ids to its engine session and never re-renders
+  (tokens in, tokens out).
+  """
+  if isinstance(results, str) or not all(isinstance(r, str) for r in results):
+    raise ValueError(f"render_observation: results={results!r:.80}: expected a list of str "
+                     "(one per tool call)")
+  pieces = [_Piece(False, "\n", 0.0)]
+  for r in results:
+    pieces += [_Piece(True, "<tool_response>", 0.0), _Piece(False, r, 0.0),
+               _Piece(True, "</tool_response>", 0.0)]
+  pieces += [_Piece(True, "<|assistant|>", 0.0), _Piece(False, "\n", 0.0)]
+  if not enable_thinking:
+    pieces += [_Piece(True, "<think>", 0.0), _Piece(True, "</think>", 0.0)]
+  return _to_ids(pieces, tokenizer).ids
+
+
 # --------------------------------------------------------------------------------------
 # Parsing what the model generated
 # --------------------------------------------------------------------------------------

@@ -51,6 +51,7 @@ import collections
 import collections.abc
 import contextlib
 import dataclasses
+import functools
 import itertools
 import time
 from typing import Sequence
@@ -181,6 +182,42 @@ def _pow2(n: int) -> int:
   return 1 << max(n - 1, 0).bit_length()
 
 
+@functools.lru_cache(maxsize=32)
+def _step_fns(cfg, bs: int, speculative: bool, steps_per_sync: int, num_draft: int,
+              rounds_per_sync: int):
+  """The jitted device steps of an engine, shared by every engine of the same configuration
+  (an evaluation engine, a restarted rollout worker), so their compilations are reused."""
+  def prefill(params, cache, h_last, lanes, table, tokens, start, n_valid, h_valid, packed):
+    cache, h, out = steps.prefill(cfg, bs, speculative, params, cache,
+                                  jnp.take(h_last, lanes, axis=0, mode="clip"), table, tokens,
+                                  start, n_valid, h_valid, steps.unpack_state(packed))
+    return cache, h_last.at[lanes].set(h, mode="drop"), out
+
+  def decode(params, cache, table, packed):
+    cache, st, out = steps.decode(cfg, bs, steps_per_sync, params, cache, table,
+                                  steps.unpack_state(packed))
+    return cache, {"pos": st["pos"], "active": st["active"]}, out
+
+  def spec_rounds(params, cache, h_all, lanes, table, packed):
+    st = steps.unpack_state(packed)
+    h_last = jnp.take(h_all, lanes, axis=0, mode="clip")
+    def body(carry, _):
+      cache, fold, st = carry
+      cache, fold, st, out = steps.speculative_round(cfg, bs, num_draft, params, cache,
+                                                     fold, table, st)
+      return (cache, fold, st), out
+    fold = steps.init_fold(st, h_last, num_draft)
+    (cache, fold, st), outs = jax.lax.scan(body, (cache, fold, st), None,
+                                           length=rounds_per_sync)
+    cache, h_last = steps.finish_fold(cfg, bs, params, cache, fold, table, st)
+    h_all = h_all.at[lanes].set(h_last, mode="drop")
+    return cache, h_all, {"pos": st["pos"], "active": st["active"]}, outs
+
+  set_h = lambda h, i, row: h.at[i].set(row.astype(h.dtype))
+  return (jax.jit(prefill, donate_argnums=(1, 2)), jax.jit(decode, donate_argnums=(1,)),
+          jax.jit(spec_rounds, donate_argnums=(1, 2)), jax.jit(set_h, donate_argnums=(0,)))
+
+
 class Engine:
   """KV-cached GLM-5 inference with continuous batching (see module docstring)."""
 
@@ -265,38 +302,8 @@ class Engine:
     self._clock = itertools.count()
     self.stats = collections.Counter()
     self.last_stats: dict = {}
-    bs = block_size
-    def prefill(params, cache, h_last, lanes, table, tokens, start, n_valid, h_valid, packed):
-      cache, h, out = steps.prefill(cfg, bs, speculative, params, cache,
-                                    jnp.take(h_last, lanes, axis=0, mode="clip"), table, tokens,
-                                    start, n_valid, h_valid, steps.unpack_state(packed))
-      return cache, h_last.at[lanes].set(h, mode="drop"), out
-
-    def decode(params, cache, table, packed):
-      cache, st, out = steps.decode(cfg, bs, steps_per_sync, params, cache, table,
-                                    steps.unpack_state(packed))
-      return cache, {"pos": st["pos"], "active": st["active"]}, out
-
-    self._prefill = jax.jit(prefill, donate_argnums=(1, 2))
-    self._decode = jax.jit(decode, donate_argnums=(1,))
-
-    def spec_rounds(params, cache, h_all, lanes, table, packed):
-      st = steps.unpack_state(packed)
-      h_last = jnp.take(h_all, lanes, axis=0, mode="clip")
-      def body(carry, _):
-        cache, fold, st = carry
-        cache, fold, st, out = steps.speculative_round(cfg, bs, num_draft, params, cache,
-                                                       fold, table, st)
-        return (cache, fold, st), out
-      fold = steps.init_fold(st, h_last, num_draft)
-      (cache, fold, st), outs = jax.lax.scan(body, (cache, fold, st), None,
-                                             length=rounds_per_sync)
-      cache, h_last = steps.finish_fold(cfg, bs, params, cache, fold, table, st)
-      h_all = h_all.at[lanes].set(h_last, mode="drop")
-      return cache, h_all, {"pos": st["pos"], "active": st["active"]}, outs
-    self._spec = jax.jit(spec_rounds, donate_argnums=(1, 2))
-    self._set_h = jax.jit(lambda h, i, row: h.at[i].set(row.astype(h.dtype)),
-                          donate_argnums=(0,))
+    self._prefill, self._decode, self._spec, self._set_h = _step_fns(
+        cfg, block_size, speculative, steps_per_sync, num_draft, rounds_per_sync)
 
   def _shardings(self, params, rules):
     """Where parameters, cache and per-slot rows live (one placement: no recompiles)."""

@@ -8,9 +8,11 @@ and slime's `rollout/`):
 
 Token ids go from the engine into the Trajectory untouched (TITO); the response is decoded
 only to be scored. A response that ran out of tokens (no stop token) is `truncated`, which
-every reward scores 0. A reward function that raises scores 0, is recorded as the
-trajectory's `error` (an environment failure: the trainer gives it no loss) and never stops
-the run.
+every reward scores 0 (its status stays `ok`: a sampled answer that earns 0 is still trained
+on). A reward function that raises scores 0, is recorded as the trajectory's `error` with
+status `env_error` (an environment failure: the trainer gives it no loss) and never stops the
+run. Each response is one single-segment `Trajectory` (`Trajectory.from_response`), rollout
+id `g{group:06d}/{j}`.
 """
 
 from __future__ import annotations
@@ -71,16 +73,17 @@ def rollout(engine, task, reward_fn, problems, tokenizer, *, group_size: int,
     reward, turn, err = score(reward_fn, problems[g], out.token_ids, tokenizer,
                               out.finish_reason)
     n_trunc += truncated(turn, out.finish_reason)
-    trajs.append(Trajectory(prompt_ids=requests[i], response_ids=list(out.token_ids),
-                            rollout_logp=list(out.logprobs), version=version, group_id=g,
-                            reward=reward, finish_reason=out.finish_reason,
-                            topk=out.topk_indices, error=err))
+    trajs.append(Trajectory.from_response(
+        requests[i], list(out.token_ids), list(out.logprobs), version,
+        rollout_id=f"g{g:06d}/{i % group_size}", group_id=g,
+        status="ok" if err is None else "env_error", reward=reward,
+        finish_reason=out.finish_reason, topk=out.topk_indices, error=err))
   t2 = time.perf_counter()
   full = sum(tr.finish_reason == "cache_full" for tr in trajs)
   if full:
     logging.warning("rollout: %d responses hit the end of the cache (config.rl.max_len); "
                     "they are truncated and score 0", full)
-  lens = [len(tr.response_ids) for tr in trajs]
+  lens = [tr.num_loss_tokens for tr in trajs]
   return trajs, {"rollout_s": t1 - t0, "reward_s": t2 - t1,
                  "reward_errors": float(sum(tr.error is not None for tr in trajs)),
                  "truncated": float(n_trunc), "cache_full": float(full),

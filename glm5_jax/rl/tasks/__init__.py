@@ -13,12 +13,20 @@ the sandbox). Each module holds its `Config` (the difficulty knobs), `sample(rng
 puts the length and truncation guards around `check`. Prompts and answers are tens of
 bytes, sized for a byte-level model (GLM-5, arXiv 2602.15763, section 3: reasoning RL on
 verifiable rewards, here at toy scale).
+
+Tool tasks (`tool_names()`, multi-turn, run as `glm5_jax.rl.agent.Episode`s): `tool_calc`
+(arithmetic through a calculator), `tool_search` (name the stdlib module a few docstring
+words describe, through BM25 search), `tool_python` (what a one-line program prints, through
+the sandbox). Their modules add `TOOLS` (what an episode may call)
+and `solution_calls(problem)`; their `sft_record` is the multi-turn tool-using solution
+(`tool_common.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from typing import Any, Callable
 
 import numpy as np
@@ -27,6 +35,10 @@ from glm5_jax.rl.tasks import arith
 from glm5_jax.rl.tasks import problem as problem_lib
 from glm5_jax.rl.tasks import python_functions
 from glm5_jax.rl.tasks import strings
+from glm5_jax.rl.tasks import tool_calc
+from glm5_jax.rl.tasks import tool_common
+from glm5_jax.rl.tasks import tool_python
+from glm5_jax.rl.tasks import tool_search
 from glm5_jax.rl.tasks.problem import HELDOUT_FRACTION
 from glm5_jax.rl.tasks.problem import Problem
 from glm5_jax.rl.tasks.problem import SPLITS
@@ -35,9 +47,11 @@ from glm5_jax.rl.tasks.problem import sft_record
 from glm5_jax.rl.tasks.problem import split_of
 
 _MODULES = {m.NAME: m for m in (arith, strings, python_functions)}
+# Multi-turn tasks solved with tools (glm5_jax/rl/tools.py; episodes: glm5_jax/rl/agent.py).
+_TOOL_MODULES = {m.NAME: m for m in (tool_calc, tool_search, tool_python)}
 
 __all__ = ["HELDOUT_FRACTION", "Problem", "SPLITS", "Task", "get", "names", "prompt_messages",
-           "sft_record", "split_of"]
+           "sft_record", "split_of", "tool_names"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,32 +66,59 @@ class Task:
   sample: Callable[[np.random.Generator], problem_lib.Content]
   check: Callable[[Problem, str], float]
   max_response_bytes: int
+  tools: tuple[str, ...] = ()          # tool tasks: the tools an episode may call
+  solution_calls: Callable[[Problem], list[dict]] | None = None   # tool tasks' SFT solution
+  solution_results: Callable[[Problem], list[str]] | None = None  # its outputs, if known
 
   def problems(self, split: str, n: int, seed: int) -> list[Problem]:
     """n distinct problems of `split` ("train" / "heldout"), deterministic for `seed`."""
     return problem_lib.draw(self.name, self.sample, split, n, seed)
 
   def sft_record(self, problem: Problem, *, system: str | None = None) -> dict:
-    return problem_lib.sft_record(problem, system=system)
+    """The SFT conversation; a tool task's is multi-turn (tool_common.sft_record)."""
+    if self.solution_calls is None:
+      return problem_lib.sft_record(problem, system=system)
+    known = None if self.solution_results is None else self.solution_results(problem)
+    return tool_common.sft_record(problem, self.solution_calls(problem), allowed=self.tools,
+                                  system=system, results=known)
+
+  def prompt_messages(self, problem: Problem, *, system: str | None = None) -> list[dict]:
+    """The conversation up to the assistant's first turn: [system?, user]."""
+    return problem_lib.prompt_messages(problem, system=system)
 
   def write_sft(self, path: str, n: int, seed: int, *, system: str | None = None) -> int:
     """Writes n training conversations (JSONL, one `sft_record` a line); returns n."""
-    return problem_lib.write_jsonl(path, self.problems("train", n, seed), system=system)
+    if self.solution_calls is None:
+      return problem_lib.write_jsonl(path, self.problems("train", n, seed), system=system)
+    with open(path, "w") as f:
+      for p in self.problems("train", n, seed):
+        f.write(json.dumps(self.sft_record(p, system=system)) + "\n")
+    return n
 
 
 def names() -> tuple[str, ...]:
+  """The single-turn tasks (`glm5_jax.rl.rewards` and the synchronous GRPO take these)."""
   return tuple(_MODULES)
+
+
+def tool_names() -> tuple[str, ...]:
+  """The multi-turn tool tasks (run as `glm5_jax.rl.agent.Episode`s)."""
+  return tuple(_TOOL_MODULES)
 
 
 def get(name: str, **options) -> Task:
   """The task `name` with `options` overriding its Config's defaults."""
-  if name not in _MODULES:
-    raise ValueError(f"task {name!r} (config.rl.task) is unknown; expected one of {names()}")
-  module = _MODULES[name]
+  every = {**_MODULES, **_TOOL_MODULES}
+  if name not in every:
+    raise ValueError(f"task {name!r} (config.rl.task) is unknown; expected one of "
+                     f"{names() + tool_names()}")
+  module = every[name]
   known = tuple(f.name for f in dataclasses.fields(module.Config))
   unknown = sorted(set(options) - set(known))
   if unknown:
     raise ValueError(f"task {name!r} has no option(s) {unknown}; expected some of {known}")
   config = module.Config(**options)
   return Task(name, config, functools.partial(module.sample, config=config), module.check,
-              module.MAX_RESPONSE_BYTES)
+              module.MAX_RESPONSE_BYTES, tuple(getattr(module, "TOOLS", ())),
+              getattr(module, "solution_calls", None),
+              getattr(module, "solution_results", None))

@@ -1,0 +1,49 @@
+r"""Asynchronous agentic RL entry point (GLM-5 §3; glm5_jax/rl/async_loop.py).
+
+  python -m experiments.rl_async --config=configs/rl_async.py:task=tool_calc,runlocal=True \
+      --config.init_from=/tmp/tool_sft --workdir=/tmp/rl_async
+
+On CPU the rollout workers and the trainer get separate devices: set
+`--devices=N` (fake XLA:CPU devices, before JAX starts; default 1 + config.rl.workers).
+SIGTERM checkpoints and exits 0; the same command resumes.
+"""
+
+import os
+import sys
+
+from glm5_jax import numerics
+
+numerics.batch_invariant_cpu()   # before JAX starts: engine and trainer agree bitwise on CPU
+
+
+def _cpu_devices(argv) -> None:
+  """--devices=N (default 3) as fake XLA:CPU devices, before JAX starts."""
+  n = next((a.split("=", 1)[1] for a in argv if a.startswith("--devices=")), "3")
+  flag = f"--xla_force_host_platform_device_count={int(n)}"
+  if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+
+
+_cpu_devices(sys.argv)
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+from glm5_jax.rl import async_loop
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/rl_async.py", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "run directory (checkpoints, metrics, ledger)",
+                               required=True)
+flags.DEFINE_integer("devices", 3, "XLA:CPU devices (trainer + workers); read before JAX "
+                     "starts, ignored on accelerators")
+
+
+def main(argv):
+  del argv
+  async_loop.run(_CONFIG.value, _WORKDIR.value)
+
+
+if __name__ == "__main__":
+  app.run(main)

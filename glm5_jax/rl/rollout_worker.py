@@ -1,0 +1,315 @@
+"""A rollout worker of asynchronous agentic RL: one engine, many multi-turn episodes in flight.
+
+The same class runs under both backends of `async_loop` (a thread with `queue.Queue`s and
+in-process weights, or a Ray actor with Ray queues and file snapshots): it only sees
+
+  inbox    group requests {"group_id", "prompt_index", "problem", "group_size", "seed"}
+  outbox   ("beat", worker_id, epoch, info) every `heartbeat_s`, ("group", worker_id, epoch,
+           result) when all G episodes of a group have ended, ("error", worker_id, epoch,
+           traceback) if the worker itself fails
+  weights  `version()` / `latest()`: before every engine step, a newer version is swapped
+           into the engine (`Engine.update_params`, no recompilation); running turns continue
+           under it and every token records the version that sampled it (GLM-5 §3: rollouts
+           never wait for the trainer)
+
+An `EpisodeDriver` steps the engine while tool calls run in a thread pool, so a slow
+environment stalls only its own episode. Each episode holds one engine session (its turns
+reuse the cached conversation); a context rewrite opens a new session (a new segment).
+Environment faults are injected here by config (`faults.env_crash_rate`: an environment
+step fails: its setup, a tool call or the answer's scoring; `faults.slow_env_tail`: a tool call outlives its timeout) and the simulated environment latency of the benchmark
+(`env.latency_median_s`, `env.latency_sigma`: log-normal) is slept in the tool thread.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import queue
+import threading
+import time
+import traceback
+
+import jax
+import numpy as np
+
+from glm5_jax import config as config_lib
+from glm5_jax import sharding as shd
+from glm5_jax.data import chat
+from glm5_jax.inference import Engine
+from glm5_jax.inference import SamplingParams
+from glm5_jax.rl import agent as agent_lib
+from glm5_jax.rl import context as context_lib
+from glm5_jax.rl import tools as tools_lib
+
+
+def seed_of(*parts) -> int:
+  return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0] % 2**31)
+
+
+class ToolRunner:
+  """Runs one turn's tool calls (in a pool thread), with the configured latency and faults."""
+
+  def __init__(self, r: dict, seed: int):
+    self.r = r
+    self._rng = np.random.default_rng(seed)
+
+  def _draw(self):
+    # One draw per call, made under the GIL on the caller's thread (deterministic order).
+    f, env = self.r["faults"], self.r["env"]
+    latency = 0.0
+    if env["latency_median_s"] > 0:
+      latency = float(env["latency_median_s"] * np.exp(env["latency_sigma"]
+                                                       * self._rng.standard_normal()))
+    crash = self._rng.random() < f["env_crash_rate"]
+    slow = self._rng.random() < f["slow_env_tail"]
+    return latency, crash, slow
+
+  def submit(self, pool, calls, allowed=None):
+    """Runs `calls` in `pool` (a future of their ToolResults); `allowed`: the episode's
+    tools (a call to another one is the model's error, told in the result)."""
+    draws = [self._draw() for _ in calls]
+    return pool.submit(self._run, calls, draws, allowed)
+
+  def _run(self, calls, draws, allowed):
+    out = []
+    timeout = self.r["env"]["tool_timeout_s"]
+    for call, (latency, crash, slow) in zip(calls, draws):
+      if slow:
+        latency = max(latency, timeout * 1.5)
+      if latency > timeout:                    # the environment would not answer in time
+        time.sleep(timeout)
+        out.append(tools_lib.ToolResult(f"tool {call.name!r} timed out after {timeout}s",
+                                        "timeout"))
+        continue
+      time.sleep(latency)
+      if crash:
+        out.append(tools_lib.ToolResult(f"tool {call.name!r}: environment crashed (injected)",
+                                        "env_error"))
+        continue
+      out.append(tools_lib.call(call.name, call.arguments, allowed=allowed))
+    return out
+
+
+class EpisodeDriver:
+  """Drives episodes on one engine: submits turns, steps the engine, runs tools in a pool."""
+
+  def __init__(self, engine: Engine, tokenizer, tool_runner: ToolRunner, *, pool_size: int,
+               max_new_tokens: int, temperature: float):
+    self.engine, self.tok, self.tools = engine, tokenizer, tool_runner
+    self.pool = concurrent.futures.ThreadPoolExecutor(pool_size, thread_name_prefix="tools")
+    self.max_new_tokens, self.temperature = max_new_tokens, temperature
+    self.stop_ids = chat.stop_ids(tokenizer)
+    self._ready: list = []              # (episode, seed, stream) to submit
+    self._by_rid: dict = {}             # engine request id -> episode
+    self._tools: dict = {}              # future -> episode
+    self._session: dict = {}            # id(episode) -> engine session id
+    self._seed: dict = {}               # id(episode) -> sampling seed
+    self.stats = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "turns": 0,
+                  "engine_steps": 0, "idle_steps": 0}
+
+  @property
+  def in_flight(self) -> int:
+    return len(self._ready) + len(self._by_rid) + len(self._tools)
+
+  def add(self, episode, seed: int):
+    self._seed[id(episode)] = seed
+    self._ready.append(episode)
+
+  def _submit(self, ep) -> bool:
+    """Submits ep's next turn; False if the episode ended instead."""
+    key = id(ep)
+    if ep.new_session or key not in self._session:
+      if key in self._session:
+        self.engine.end_session(self._session.pop(key))
+      self._session[key] = self.engine.new_session()
+    stream = ep.stream
+    prompt = ep.next_prompt()
+    sp = SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                        stop_token_ids=self.stop_ids, seed=self._seed[key])
+    try:
+      (rid,) = self.engine.submit(prompt, sp, session_id=self._session[key], record_topk=True,
+                                  stream=stream)
+    except ValueError as e:        # the engine refused the turn (the episode checks max_len)
+      ep.abort(f"engine refused the turn: {e}")
+      return False
+    self.stats["prompt_tokens"] += len(prompt)
+    self._by_rid[rid] = ep
+    return True
+
+  def _close(self, ep):
+    sid = self._session.pop(id(ep), None)
+    if sid is not None:
+      self.engine.end_session(sid)
+    self._seed.pop(id(ep), None)
+
+  def poll(self) -> list:
+    """One round: submits ready turns, one engine step, collects tool results. Returns the
+    episodes that ended in it."""
+    ended = []
+    ready, self._ready = self._ready, []
+    for ep in ready:
+      if ep.done or not self._submit(ep):
+        ended.append(ep)
+    if self.engine.num_unfinished:
+      self.stats["engine_steps"] += 1
+      for out in self.engine.step():
+        ep = self._by_rid.pop(out.request_id)
+        self.stats["turns"] += 1
+        self.stats["cached_prompt_tokens"] += out.num_cached_prompt_tokens
+        calls = ep.on_turn(out)
+        if ep.done:
+          ended.append(ep)
+        elif calls:
+          self._tools[self.tools.submit(self.pool, calls, ep.tools)] = ep
+        else:
+          self._ready.append(ep)
+    else:
+      self.stats["idle_steps"] += 1
+    for fut in [f for f in self._tools if f.done()]:
+      ep = self._tools.pop(fut)
+      ep.on_tool_results(fut.result())
+      (ended if ep.done else self._ready).append(ep)
+    for ep in ended:
+      self._close(ep)
+    return ended
+
+  def run(self, episodes, seed: int = 0) -> list:
+    """Runs `episodes` to their end (evaluation)."""
+    for ep in episodes:
+      self.add(ep, seed)
+    ended = []
+    while self.in_flight:
+      ended += self.poll()
+      if not self.engine.num_unfinished and self._tools and not self._ready:
+        time.sleep(0.001)
+    return ended
+
+  def close(self):
+    self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+class InjectedCrash(RuntimeError):
+  """An environment failure injected by `faults.env_crash_rate`."""
+
+
+def crashing_task(task, rate: float, rng):
+  """`task` whose answer checking (the environment's last step) raises with probability
+  `rate`: the episode ends "env_error", as when a real environment dies while scoring."""
+  if rate <= 0:
+    return task
+  def check(problem, response):
+    if rng.random() < rate:
+      raise InjectedCrash("environment crashed while scoring (faults.env_crash_rate)")
+    return task.check(problem, response)
+  return dataclasses.replace(task, check=check)
+
+
+def maybe_crash_setup(ep, rate: float, rng):
+  """With probability `rate` the episode's environment fails to start ("env_error")."""
+  if rate > 0 and rng.random() < rate:
+    ep.fail("env_error", "environment setup crashed (faults.env_crash_rate)")
+  return ep
+
+
+def build_engine(cfg, params, r: dict, version: int, device=None) -> Engine:
+  mesh = None if device is None else shd.make_mesh({"data": 1}, [device])
+  return Engine(cfg, params, max_batch=r["engine_batch"], max_len=r["max_len"],
+                prefill_chunk=r["prefill_chunk"], steps_per_sync=r["steps_per_sync"],
+                version=version, mesh=mesh)
+
+
+def make_episode(task, problem, tok, r: dict, *, rollout_id: str, group_id: str,
+                 prompt_index: int):
+  return agent_lib.Episode(
+      task, problem, tok, rollout_id=rollout_id, group_id=group_id, prompt_index=prompt_index,
+      max_turns=r["max_turns"], max_len=r["max_len"],
+      context=context_lib.ContextPolicy(**r["context"]),
+      enable_thinking=r["enable_thinking"])
+
+
+class RolloutWorker:
+  """See the module docstring. `spec`: picklable {"worker_id", "epoch", "device" (index into
+  jax.devices() or None), "model_config" (dict), "rl" (the config's `rl` as a dict),
+  "tokenizer", "seed"}.
+
+  A heartbeat thread beats every `rl.heartbeat_s` while `run` is alive (also through long
+  compilations); it stops with the loop, so a killed worker falls silent."""
+
+  def __init__(self, spec: dict):
+    self.spec = spec
+    self.worker_id, self.epoch = spec["worker_id"], spec["epoch"]
+    self.info: dict = {"version": -1}
+
+  def run(self, inbox, outbox, weights, should_stop) -> None:
+    done = threading.Event()
+    stopped = lambda: done.is_set() or should_stop()
+
+    def beat():
+      while not stopped():
+        outbox.put(("beat", self.worker_id, self.epoch, dict(self.info)))
+        done.wait(self.spec["rl"]["heartbeat_s"])
+
+    beats = threading.Thread(target=beat, daemon=True, name=f"beat-{self.worker_id}")
+    beats.start()
+    try:
+      self._run(inbox, outbox, weights, stopped)
+    except Exception:  # pylint: disable=broad-except
+      outbox.put(("error", self.worker_id, self.epoch, traceback.format_exc()))
+    finally:
+      done.set()
+      beats.join()
+
+  def _run(self, inbox, outbox, weights, should_stop):
+    from glm5_jax.rl import async_loop  # pylint: disable=g-import-not-at-top
+    spec, r = self.spec, self.spec["rl"]
+    cfg = config_lib.ModelConfig(**spec["model_config"])
+    task = async_loop.task_of(r)
+    tok = chat.get_chat_tokenizer(spec["tokenizer"])
+    device = None if spec["device"] is None else jax.devices()[spec["device"]]
+    while weights.version() < 0:                # nothing published yet
+      if should_stop():
+        return
+      time.sleep(0.01)
+    version, params = weights.latest()
+    engine = build_engine(cfg, params, r, version, device)
+    runner = ToolRunner(r, seed_of(spec["seed"], self.worker_id, self.epoch))
+    crash_rate = r["faults"]["env_crash_rate"]
+    crash_rng = np.random.default_rng(seed_of(spec["seed"], self.worker_id, self.epoch, 1))
+    task = crashing_task(task, crash_rate, crash_rng)
+    driver = EpisodeDriver(engine, tok, runner, pool_size=r["tool_threads"],
+                           max_new_tokens=r["max_new_tokens"], temperature=r["temperature"])
+    self.info = {"version": engine.version, **driver.stats}
+    groups: dict = {}                            # group_id -> (request, ended episodes)
+    try:
+      while not should_stop():
+        if weights.version() > engine.version:
+          version, params = weights.latest()
+          engine.update_params(params, version)
+        while driver.in_flight + r["group_size"] <= r["episodes_per_worker"]:
+          try:
+            req = inbox.get(timeout=0.0 if driver.in_flight else 0.02)
+          except queue.Empty:
+            break
+          groups[req["group_id"]] = (req, [])
+          for j in range(req["group_size"]):
+            ep = make_episode(task, req["problem"], tok, r, rollout_id=f"{req['group_id']}/{j}",
+                              group_id=req["group_id"], prompt_index=req["prompt_index"])
+            driver.add(maybe_crash_setup(ep, crash_rate, crash_rng), req["seed"])
+        if not driver.in_flight:
+          continue
+        t_busy = time.monotonic()
+        for ep in driver.poll():
+          req, done = groups[ep.group_id]
+          done.append(ep)
+          if len(done) == req["group_size"]:
+            del groups[ep.group_id]
+            done.sort(key=lambda e: int(e.rollout_id.rsplit("/", 1)[1]))
+            outbox.put(("group", self.worker_id, self.epoch, {
+                "group_id": req["group_id"], "prompt_index": req["prompt_index"],
+                "rollouts": [e.trajectories() for e in done]}))
+        driver.stats["busy_s"] = driver.stats.get("busy_s", 0.0) + time.monotonic() - t_busy
+        self.info = {"version": engine.version, **driver.stats}
+        if not engine.num_unfinished and driver.in_flight:
+          time.sleep(0.001)                      # only tools running: do not spin
+    finally:
+      driver.close()
