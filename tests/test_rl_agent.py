@@ -290,9 +290,11 @@ def test_episodes_on_the_real_engine_keep_its_tokens_untouched(tiny_engine, rng)
   outs = {}
   sp = SamplingParams(max_new_tokens=8, temperature=1.0, stop_token_ids=chat.stop_ids(TOK),
                       seed=int(rng.integers(1000)))
-  agent.run(tiny_engine, eps, sp, record_topk=True,
-            on_turn_done=lambda ep, out, calls, res: outs.setdefault(ep.rollout_id, []).append(
-                out))
+  driver = agent.Driver(tiny_engine, TOK, max_new_tokens=sp.max_new_tokens,
+                        temperature=sp.temperature,
+                        on_turn=lambda ep, out: outs.setdefault(ep.rollout_id, []).append(out))
+  assert sorted(map(id, driver.run(eps, seed=sp.seed))) == sorted(map(id, eps))
+  driver.close()
   assert tiny_engine.num_unfinished == 0
   for ep in eps:
     assert ep.done and ep.status in ("ok", "truncated")

@@ -3,7 +3,6 @@
 import json
 import os
 
-import jax
 import numpy as np
 import pytest
 

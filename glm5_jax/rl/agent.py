@@ -16,7 +16,8 @@ episode) and runs their tool calls where it likes (a thread pool):
       ep.on_tool_results([tools.call(c.name, c.arguments, allowed=ep.tools) for c in calls])
   ep.trajectories()                        # one Trajectory per segment, ep.status, ep.reward
 
-`run` is that loop over many episodes on one engine, single-threaded (tests, the chat CLI).
+`Driver` is that loop over many episodes on one engine (rollout workers, evaluation, tests),
+with the tool calls in a thread pool.
 
 Token accounting of a segment (one engine session; `glm5_jax/rl/trajectory.py`): its row is
 every id submitted (loss 0) and every id the engine generated (loss 1, with the engine's
@@ -43,11 +44,14 @@ How an episode ends (status, reward; every segment carries both):
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
+import time
 from typing import Sequence
 
 from glm5_jax.data import chat
+from glm5_jax.inference import SamplingParams
 from glm5_jax.rl import context as context_lib
 from glm5_jax.rl import rewards as rewards_lib
 from glm5_jax.rl import tools as tools_lib
@@ -245,42 +249,121 @@ def run_calls(calls: Sequence[chat.ToolCall], allowed, tools=None) -> list[tools
   return [tools_lib.call(c.name, c.arguments, allowed=allowed, tools=tools) for c in calls]
 
 
-def run(engine, episodes: Sequence[Episode], sampling, *, tools=None,
-        record_topk: bool = False, on_turn_done=None) -> list[Episode]:
-  """Drives `episodes` to their end on one engine, each in its own session, single-threaded.
+class _InlineTools:
+  """Runs an episode's tool calls in the driver's pool as they are (no latency, no faults)."""
 
-  sampling: SamplingParams (its stop ids should be `chat.stop_ids`); tools: the registry for
-  `tools.call` (default `tools.TOOLS`); on_turn_done(ep, out, calls, results): a hook after
-  each turn (the chat CLI prints with it). Sessions are ended as episodes finish.
+  @staticmethod
+  def submit(pool, calls, allowed):
+    return pool.submit(run_calls, calls, allowed)
+
+
+class Driver:
+  """Drives many episodes on one engine: submits their turns (a session each), steps the
+  engine, and runs their tool calls in a thread pool so a slow tool stalls only its own
+  episode. Single-threaded towards the engine (a rollout worker's loop, evaluation, tests).
+
+    driver = Driver(engine, tokenizer, max_new_tokens=64, temperature=1.0)
+    ended = driver.run(episodes, seed=0)       # or: driver.add(ep, seed); driver.poll()
+
+  tools: what runs a turn's calls: `submit(pool, calls, allowed) -> Future of ToolResults`
+  (default: `run_calls` as is; rollout workers add simulated latency and faults);
+  on_turn(ep, out): a hook after each engine turn is recorded; record_topk: ask the engine
+  for each layer's DSA top-k (the trainer compares them).
   """
-  sessions, inflight = {}, {}
 
-  def submit(ep):
-    ids = ep.next_prompt()
-    if ep.new_session or id(ep) not in sessions:
-      if id(ep) in sessions:
-        engine.end_session(sessions.pop(id(ep)))
-      sessions[id(ep)] = engine.new_session()
-    rid = engine.submit(ids, sampling, session_id=sessions[id(ep)], record_topk=record_topk,
-                        stream=ep.stream)[0]
-    inflight[rid] = ep
+  def __init__(self, engine, tokenizer, *, max_new_tokens: int, temperature: float,
+               tools=None, threads: int = 8, on_turn=None, record_topk: bool = True):
+    self.engine, self.tok = engine, tokenizer
+    self.tools = _InlineTools() if tools is None else tools
+    self.pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="tools")
+    self.max_new_tokens, self.temperature = max_new_tokens, temperature
+    self.on_turn, self.record_topk = on_turn, record_topk
+    self.stop_ids = chat.stop_ids(tokenizer)
+    self._ready: list = []              # episodes whose next turn is to be submitted
+    self._by_rid: dict = {}             # engine request id -> episode
+    self._tools: dict = {}              # future -> episode
+    self._session: dict = {}            # id(episode) -> engine session id
+    self._seed: dict = {}               # id(episode) -> sampling seed
+    self.stats = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "turns": 0,
+                  "engine_steps": 0}
 
-  for ep in episodes:
-    if not ep.done:
-      submit(ep)
-  while inflight:
-    for out in engine.step():
-      ep = inflight.pop(out.request_id, None)
-      if ep is None:
-        continue
-      calls = ep.on_turn(out)
-      results = run_calls(calls, ep.tools, tools) if not ep.done else []
-      if results:
-        ep.on_tool_results(results)
-      if on_turn_done is not None:
-        on_turn_done(ep, out, calls, results)
-      if ep.done:
-        engine.end_session(sessions.pop(id(ep)))
-      else:
-        submit(ep)
-  return list(episodes)
+  @property
+  def in_flight(self) -> int:
+    return len(self._ready) + len(self._by_rid) + len(self._tools)
+
+  def add(self, episode: Episode, seed: int) -> None:
+    self._seed[id(episode)] = seed
+    self._ready.append(episode)
+
+  def _submit(self, ep: Episode) -> bool:
+    """Submits ep's next turn; False if the episode ended instead."""
+    key = id(ep)
+    if ep.new_session or key not in self._session:
+      if key in self._session:
+        self.engine.end_session(self._session.pop(key))
+      self._session[key] = self.engine.new_session()
+    stream = ep.stream
+    prompt = ep.next_prompt()
+    conversation = len(self.engine.session_tokens(self._session[key]))
+    sp = SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                        stop_token_ids=self.stop_ids, seed=self._seed[key])
+    try:
+      (rid,) = self.engine.submit(prompt, sp, session_id=self._session[key],
+                                  record_topk=self.record_topk, stream=stream)
+    except ValueError as e:        # the engine refused the turn (the episode checks max_len)
+      ep.abort(f"engine refused the turn: {e}")
+      return False
+    self.stats["prompt_tokens"] += conversation + len(prompt)   # the turn's whole prompt
+    self._by_rid[rid] = ep
+    return True
+
+  def _close(self, ep: Episode) -> None:
+    sid = self._session.pop(id(ep), None)
+    if sid is not None:
+      self.engine.end_session(sid)
+    self._seed.pop(id(ep), None)
+
+  def poll(self) -> list[Episode]:
+    """One round: submits ready turns, one engine step, collects finished tool calls.
+    Returns the episodes that ended in it."""
+    ended = []
+    ready, self._ready = self._ready, []
+    for ep in ready:
+      if ep.done or not self._submit(ep):
+        ended.append(ep)
+    if self.engine.num_unfinished:
+      self.stats["engine_steps"] += 1
+      for out in self.engine.step():
+        ep = self._by_rid.pop(out.request_id)
+        self.stats["turns"] += 1
+        self.stats["cached_prompt_tokens"] += out.num_cached_prompt_tokens
+        calls = ep.on_turn(out)
+        if self.on_turn is not None:
+          self.on_turn(ep, out)
+        if ep.done:
+          ended.append(ep)
+        elif calls:
+          self._tools[self.tools.submit(self.pool, calls, ep.tools)] = ep
+        else:
+          self._ready.append(ep)
+    for fut in [f for f in self._tools if f.done()]:
+      ep = self._tools.pop(fut)
+      ep.on_tool_results(fut.result())
+      (ended if ep.done else self._ready).append(ep)
+    for ep in ended:
+      self._close(ep)
+    return ended
+
+  def run(self, episodes: Sequence[Episode], seed: int = 0) -> list[Episode]:
+    """Runs `episodes` to their end; returns them in the order they ended."""
+    for ep in episodes:
+      self.add(ep, seed)
+    ended = []
+    while self.in_flight:
+      ended += self.poll()
+      if not self.engine.num_unfinished and self._tools and not self._ready:
+        time.sleep(0.001)                       # only tools running: do not spin
+    return ended
+
+  def close(self) -> None:
+    self.pool.shutdown(wait=False, cancel_futures=True)

@@ -53,6 +53,7 @@ import orbax.checkpoint as ocp
 
 from glm5_jax import numerics
 from glm5_jax.data import chat
+from glm5_jax.rl import agent as agent_lib
 from glm5_jax.rl import grpo
 from glm5_jax.rl import groups as groups_lib
 from glm5_jax.rl import heartbeat
@@ -304,7 +305,6 @@ class Trainer:
     self.ready: list[Group] = []
     self.monitor = heartbeat.Monitor(r.heartbeat_timeout_s, clock=clock)
     self.router = routing.Router(r.workers, load_bound=r.route_load_bound, seed=c.seed)
-    self.prefix = routing.PrefixStats()
     self.worker_stats: dict = {}
     self.counts = collections.Counter()
     self.spans = collections.Counter()
@@ -398,7 +398,7 @@ class Trainer:
     if kind == "beat":
       if self.monitor.accepts(wid, epoch):
         self.monitor.beat(wid, epoch)
-        self.worker_stats[wid] = payload
+        self.worker_stats[(wid, epoch)] = payload     # every incarnation's counters
     elif kind == "group":
       self._on_group(wid, epoch, payload)
     elif kind == "error":
@@ -505,9 +505,8 @@ class Trainer:
                                                   self.device)
     else:
       self._eval_engine.update_params(self.params, self.ctl.version)
-    driver = worker_lib.EpisodeDriver(self._eval_engine, self.tok, worker_lib.ToolRunner(r, 0),
-                                      pool_size=r["tool_threads"],
-                                      max_new_tokens=r["max_new_tokens"], temperature=0.0)
+    driver = agent_lib.Driver(self._eval_engine, self.tok, threads=r["tool_threads"],
+                              max_new_tokens=r["max_new_tokens"], temperature=0.0)
     try:
       ended = driver.run([worker_lib.make_episode(self.task, p, self.tok, r,
                                                   rollout_id=f"eval/{i}", group_id="eval",
@@ -597,15 +596,17 @@ def run(c, workdir: str, *, clock=time.monotonic) -> dict:
       wait_s += time.perf_counter() - t0
       m = tr._train(taken)
       wall = time.perf_counter() - t_loop
-      busy = [s.get("busy_s", 0.0) for s in tr.worker_stats.values()]
+      busy = [sum(s.get("busy_s", 0.0) for (w, _), s in tr.worker_stats.items() if w == wid)
+              for wid in range(r.workers)]
       m.update({k: float(v) for k, v in tr.counts.items()})
       m.update({f"staleness_hist_{k}": float(v) for k, v in sorted(tr.spans.items())})
-      pre = [s for s in tr.worker_stats.values() if s.get("prompt_tokens")]
-      cached = sum(s["cached_prompt_tokens"] for s in pre)
+      prefix = routing.PrefixStats()
+      for s in tr.worker_stats.values():
+        prefix.record(s.get("cached_prompt_tokens", 0), s.get("prompt_tokens", 0))
       m.update(trainer_idle_ratio=wait_s / max(wall, 1e-9),
                rollout_idle_ratio=1.0 - (float(np.mean(busy)) / max(wall, 1e-9)
                                          if busy else 0.0),
-               prefix_hit_rate=cached / max(sum(s["prompt_tokens"] for s in pre), 1),
+               prefix_hit_rate=prefix.hit_rate,
                wall_s=wall)
       u = tr.ctl.update
       writer.write(u, m)
@@ -658,8 +659,9 @@ def _open_ledger(tr: Trainer, path: str, restored: bool, clock):
 def _shutdown(tr: Trainer):
   """Stops the workers; work in flight or not consumed is ledgered dropped ("shutdown"); the
   checkpoint's control state re-admits those prompts on resume."""
-  if tr.backend is not None:
-    tr.backend.shutdown()
+  if tr.backend is not None:          # a worker ends at its next loop check: after at most one
+    tr.backend.shutdown(timeout_s=600)  # engine step, which may be compiling (a thread left in
+                                        # XLA at interpreter exit aborts the process)
   if tr.ledger is None:
     return
   for gid, (index, _) in tr.in_flight.items():

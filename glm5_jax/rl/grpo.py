@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import time
 
 from absl import logging

@@ -12,7 +12,7 @@ in-process weights, or a Ray actor with Ray queues and file snapshots): it only 
            under it and every token records the version that sampled it (GLM-5 §3: rollouts
            never wait for the trainer)
 
-An `EpisodeDriver` steps the engine while tool calls run in a thread pool, so a slow
+An `agent.Driver` steps the engine while tool calls run in a thread pool, so a slow
 environment stalls only its own episode. Each episode holds one engine session (its turns
 reuse the cached conversation); a context rewrite opens a new session (a new segment).
 Environment faults are injected here by config (`faults.env_crash_rate`: an environment
@@ -22,7 +22,6 @@ step fails: its setup, a tool call or the answer's scoring; `faults.slow_env_tai
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import queue
 import threading
@@ -36,7 +35,6 @@ from glm5_jax import config as config_lib
 from glm5_jax import sharding as shd
 from glm5_jax.data import chat
 from glm5_jax.inference import Engine
-from glm5_jax.inference import SamplingParams
 from glm5_jax.rl import agent as agent_lib
 from glm5_jax.rl import context as context_lib
 from glm5_jax.rl import tools as tools_lib
@@ -88,104 +86,6 @@ class ToolRunner:
         continue
       out.append(tools_lib.call(call.name, call.arguments, allowed=allowed))
     return out
-
-
-class EpisodeDriver:
-  """Drives episodes on one engine: submits turns, steps the engine, runs tools in a pool."""
-
-  def __init__(self, engine: Engine, tokenizer, tool_runner: ToolRunner, *, pool_size: int,
-               max_new_tokens: int, temperature: float):
-    self.engine, self.tok, self.tools = engine, tokenizer, tool_runner
-    self.pool = concurrent.futures.ThreadPoolExecutor(pool_size, thread_name_prefix="tools")
-    self.max_new_tokens, self.temperature = max_new_tokens, temperature
-    self.stop_ids = chat.stop_ids(tokenizer)
-    self._ready: list = []              # (episode, seed, stream) to submit
-    self._by_rid: dict = {}             # engine request id -> episode
-    self._tools: dict = {}              # future -> episode
-    self._session: dict = {}            # id(episode) -> engine session id
-    self._seed: dict = {}               # id(episode) -> sampling seed
-    self.stats = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "turns": 0,
-                  "engine_steps": 0, "idle_steps": 0}
-
-  @property
-  def in_flight(self) -> int:
-    return len(self._ready) + len(self._by_rid) + len(self._tools)
-
-  def add(self, episode, seed: int):
-    self._seed[id(episode)] = seed
-    self._ready.append(episode)
-
-  def _submit(self, ep) -> bool:
-    """Submits ep's next turn; False if the episode ended instead."""
-    key = id(ep)
-    if ep.new_session or key not in self._session:
-      if key in self._session:
-        self.engine.end_session(self._session.pop(key))
-      self._session[key] = self.engine.new_session()
-    stream = ep.stream
-    prompt = ep.next_prompt()
-    sp = SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                        stop_token_ids=self.stop_ids, seed=self._seed[key])
-    try:
-      (rid,) = self.engine.submit(prompt, sp, session_id=self._session[key], record_topk=True,
-                                  stream=stream)
-    except ValueError as e:        # the engine refused the turn (the episode checks max_len)
-      ep.abort(f"engine refused the turn: {e}")
-      return False
-    self.stats["prompt_tokens"] += len(prompt)
-    self._by_rid[rid] = ep
-    return True
-
-  def _close(self, ep):
-    sid = self._session.pop(id(ep), None)
-    if sid is not None:
-      self.engine.end_session(sid)
-    self._seed.pop(id(ep), None)
-
-  def poll(self) -> list:
-    """One round: submits ready turns, one engine step, collects tool results. Returns the
-    episodes that ended in it."""
-    ended = []
-    ready, self._ready = self._ready, []
-    for ep in ready:
-      if ep.done or not self._submit(ep):
-        ended.append(ep)
-    if self.engine.num_unfinished:
-      self.stats["engine_steps"] += 1
-      for out in self.engine.step():
-        ep = self._by_rid.pop(out.request_id)
-        self.stats["turns"] += 1
-        self.stats["cached_prompt_tokens"] += out.num_cached_prompt_tokens
-        calls = ep.on_turn(out)
-        if ep.done:
-          ended.append(ep)
-        elif calls:
-          self._tools[self.tools.submit(self.pool, calls, ep.tools)] = ep
-        else:
-          self._ready.append(ep)
-    else:
-      self.stats["idle_steps"] += 1
-    for fut in [f for f in self._tools if f.done()]:
-      ep = self._tools.pop(fut)
-      ep.on_tool_results(fut.result())
-      (ended if ep.done else self._ready).append(ep)
-    for ep in ended:
-      self._close(ep)
-    return ended
-
-  def run(self, episodes, seed: int = 0) -> list:
-    """Runs `episodes` to their end (evaluation)."""
-    for ep in episodes:
-      self.add(ep, seed)
-    ended = []
-    while self.in_flight:
-      ended += self.poll()
-      if not self.engine.num_unfinished and self._tools and not self._ready:
-        time.sleep(0.001)
-    return ended
-
-  def close(self):
-    self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 class InjectedCrash(RuntimeError):
@@ -276,8 +176,8 @@ class RolloutWorker:
     crash_rate = r["faults"]["env_crash_rate"]
     crash_rng = np.random.default_rng(seed_of(spec["seed"], self.worker_id, self.epoch, 1))
     task = crashing_task(task, crash_rate, crash_rng)
-    driver = EpisodeDriver(engine, tok, runner, pool_size=r["tool_threads"],
-                           max_new_tokens=r["max_new_tokens"], temperature=r["temperature"])
+    driver = agent_lib.Driver(engine, tok, tools=runner, threads=r["tool_threads"],
+                              max_new_tokens=r["max_new_tokens"], temperature=r["temperature"])
     self.info = {"version": engine.version, **driver.stats}
     groups: dict = {}                            # group_id -> (request, ended episodes)
     try:

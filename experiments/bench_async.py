@@ -1,0 +1,164 @@
+r"""Synchronous vs asynchronous agentic RL: wall-clock to reach the same reward, one run.
+
+  python -m experiments.bench_async --init_from=/tmp/toolrl/sft --updates=12 \
+      --out=docs/bench_async_cpu.json
+
+Both modes are the same loop (glm5_jax/rl/async_loop.py) on the same model, task and
+simulated environment, every tool call sleeping a log-normal latency (median 0.2 s,
+sigma 1.5: a heavy tail, as real agent environments have):
+  sync   tau = 0 and at most N groups in flight: the trainer's update waits for all N groups
+         sampled by the current weights, and rollouts wait for the update (GRPO's loop);
+  async  tau > 0 and (tau + 1) N groups in flight (admission control): rollouts never wait,
+         the trainer takes the first N finished groups.
+The target is the synchronous run's final training reward (mean of its last `--smooth`
+updates); the async time is when its own running mean first reaches it. A warm-up run
+compiles every shape first, so neither mode pays compilation. Prints a table, writes JSON
+(per-update wall time, reward, idle ratios, staleness histogram) and a PNG of reward vs time.
+"""
+
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+
+from glm5_jax import numerics
+
+numerics.batch_invariant_cpu()
+
+
+def _cpu_devices(argv) -> None:
+  n = next((a.split("=", 1)[1] for a in argv if a.startswith("--devices=")), "3")
+  if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" --xla_force_host_platform_device_count={int(n)}").strip()
+
+
+_cpu_devices(sys.argv)
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+from absl import app
+from absl import flags
+from absl import logging
+import jax
+import numpy as np
+
+from configs import rl_async
+from glm5_jax.rl import async_loop
+from glm5_jax.train import metrics as metrics_lib
+
+_INIT = flags.DEFINE_string("init_from", None, "SFT workdir of the tool task", required=True)
+_TASK = flags.DEFINE_string("task", "tool_calc", "tool task")
+_OPTIONS = flags.DEFINE_string("task_options", "", "k=v,... task options")
+_UPDATES = flags.DEFINE_integer("updates", 12, "updates of the synchronous run")
+_TAU = flags.DEFINE_integer("tau", 2, "staleness bound of the async run")
+_GROUPS = flags.DEFINE_integer("groups_per_update", 4, "N")
+_GROUP_SIZE = flags.DEFINE_integer("group_size", 4, "G")
+_LR = flags.DEFINE_float("learning_rate", 2e-5, "learning rate")
+_MEDIAN = flags.DEFINE_float("latency_median_s", 0.2, "environment latency median")
+_SIGMA = flags.DEFINE_float("latency_sigma", 1.5, "environment latency log-normal sigma")
+_SMOOTH = flags.DEFINE_integer("smooth", 3, "updates in the running mean of the reward")
+_SEED = flags.DEFINE_integer("seed", 0, "seed")
+_OUT = flags.DEFINE_string("out", "docs/bench_async_cpu.json", "JSON path (PNG beside it)")
+flags.DEFINE_integer("devices", 3, "XLA:CPU devices (trainer + 2 workers), set before JAX")
+
+
+def config(mode: str, updates: int):
+  c = rl_async.get_config(f"task={_TASK.value},runlocal=True")
+  c.init_from = _INIT.value
+  c.seed = _SEED.value
+  c.total_steps = updates
+  c.learning_rate = _LR.value
+  c.tensorboard = False
+  r = c.rl
+  if _OPTIONS.value:
+    for item in _OPTIONS.value.split(","):
+      k, v = item.split("=", 1)
+      r.task_options[k] = type(r.task_options[k])(v)
+  n = _GROUPS.value
+  r.group_size, r.groups_per_update, r.updates_per_publish = _GROUP_SIZE.value, n, 1
+  r.tau = 0 if mode == "sync" else _TAU.value
+  r.max_groups_in_flight = n * (r.tau + 1)
+  r.episodes_per_worker = r.max_groups_in_flight * r.group_size
+  r.engine_batch = min(r.episodes_per_worker, 32)
+  r.tool_threads = r.episodes_per_worker
+  r.env.latency_median_s, r.env.latency_sigma = _MEDIAN.value, _SIGMA.value
+  r.eval_every = r.checkpoint_every = 10 ** 6
+  r.eval_problems = 1
+  return c
+
+
+def running_mean(x, k):
+  x = np.asarray(x, np.float64)
+  return np.asarray([x[max(0, i - k + 1):i + 1].mean() for i in range(len(x))])
+
+
+def run_mode(mode, updates, root):
+  workdir = os.path.join(root, mode)
+  async_loop.run(config(mode, updates), workdir)
+  rows = [r for r in metrics_lib.read_rows(workdir) if "loss" in r]
+  return {"wall_s": [r["wall_s"] for r in rows], "reward": [r["reward_mean"] for r in rows],
+          "trainer_idle_ratio": rows[-1]["trainer_idle_ratio"],
+          "rollout_idle_ratio": rows[-1]["rollout_idle_ratio"],
+          "staleness_hist": {k.rsplit("_", 1)[1]: v for k, v in rows[-1].items()
+                             if k.startswith("staleness_hist_")},
+          "dropped": {k: v for k, v in rows[-1].items() if k.startswith("dropped_")},
+          "logp_abs_diff_max": max(r["logp_abs_diff_max"] for r in rows),
+          "topk_mismatches": sum(r["topk_mismatches"] for r in rows)}
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  root = tempfile.mkdtemp(prefix="bench_async_")
+  try:
+    run_mode("sync", 2, os.path.join(root, "warmup"))
+    run_mode("async", 2, os.path.join(root, "warmup"))
+    res = {"sync": run_mode("sync", _UPDATES.value, root),
+           "async": run_mode("async", 3 * _UPDATES.value, root)}
+  finally:
+    shutil.rmtree(root, ignore_errors=True)
+  k = _SMOOTH.value
+  target = float(np.mean(res["sync"]["reward"][-k:]))
+  for m in res.values():
+    m["reward_running_mean"] = running_mean(m["reward"], k).tolist()
+    hit = [i for i, v in enumerate(m["reward_running_mean"]) if v >= target and i >= k - 1]
+    m["time_to_target_s"] = m["wall_s"][hit[0]] if hit else float("nan")
+    m["updates_to_target"] = hit[0] + 1 if hit else None
+  speedup = res["sync"]["time_to_target_s"] / res["async"]["time_to_target_s"]
+  out = {"machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
+                    f"{os.cpu_count()} CPUs, jax {jax.__version__} {jax.default_backend()}",
+         "latency": {"median_s": _MEDIAN.value, "sigma": _SIGMA.value},
+         "tau": _TAU.value, "groups_per_update": _GROUPS.value, "group_size": _GROUP_SIZE.value,
+         "target_reward": target, "speedup": speedup, **res}
+  print(f"{'mode':6} {'to target s':>12} {'updates':>8} {'s/update':>9} {'idle trainer':>13} "
+        f"{'idle rollout':>13}  staleness hist")
+  for name, m in res.items():
+    per = m["wall_s"][-1] / len(m["wall_s"])
+    print(f"{name:6} {m['time_to_target_s']:12.1f} {str(m['updates_to_target']):>8} "
+          f"{per:9.2f} {m['trainer_idle_ratio']:13.2f} {m['rollout_idle_ratio']:13.2f}  "
+          f"{m['staleness_hist']}")
+  print(f"target reward {target:.3f}; async reaches it {speedup:.2f}x sooner")
+  os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
+  with open(_OUT.value, "w") as f:
+    json.dump(out, f, indent=1)
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for name, m in res.items():
+    ax.plot(m["wall_s"], m["reward_running_mean"], marker=".", label=name)
+  ax.axhline(target, color="gray", ls="--", lw=1, label="target")
+  ax.set_xlabel("wall-clock s")
+  ax.set_ylabel(f"training reward (mean of {k} updates)")
+  ax.set_title(f"sync vs async agentic RL (latency lognormal {_MEDIAN.value}s, "
+               f"sigma {_SIGMA.value})", fontsize=9)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(os.path.splitext(_OUT.value)[0] + ".png", dpi=120)
+  print(f"wrote {_OUT.value} and its PNG")
+
+
+if __name__ == "__main__":
+  app.run(main)
