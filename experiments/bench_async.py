@@ -123,7 +123,8 @@ def main(argv):
   target = float(np.mean(res["sync"]["reward"][-k:]))
   for m in res.values():
     m["reward_running_mean"] = running_mean(m["reward"], k).tolist()
-    hit = [i for i, v in enumerate(m["reward_running_mean"]) if v >= target and i >= k - 1]
+    first = min(k, len(res["sync"]["reward"])) - 1        # a full window first
+    hit = [i for i, v in enumerate(m["reward_running_mean"]) if v >= target and i >= first]
     m["time_to_target_s"] = m["wall_s"][hit[0]] if hit else float("nan")
     m["updates_to_target"] = hit[0] + 1 if hit else None
   speedup = res["sync"]["time_to_target_s"] / res["async"]["time_to_target_s"]

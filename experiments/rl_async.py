@@ -42,6 +42,9 @@ flags.DEFINE_integer("devices", 3, "XLA:CPU devices (trainer + workers); read be
 
 def main(argv):
   del argv
+  if _CONFIG.value.rl.backend == "ray":
+    from glm5_jax.rl import ray_backend
+    ray_backend.init()             # before JAX's runtime starts (Ray forks)
   async_loop.run(_CONFIG.value, _WORKDIR.value)
 
 

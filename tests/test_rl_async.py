@@ -9,6 +9,9 @@ versions advance, and with faults injected a killed worker is found, restarted a
 
 import json
 import os
+import signal
+import threading
+import time
 
 import jax
 import pytest
@@ -20,6 +23,7 @@ from glm5_jax.rl import async_loop
 from glm5_jax.rl import ledger as ledger_lib
 from glm5_jax.train import checkpoint as ckpt_lib
 from glm5_jax.train import metrics as metrics_lib
+from glm5_jax.train import preemption
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +103,39 @@ def test_resume_continues_the_ledger(init_dir, tmp_path):
 
 
 @pytest.mark.slow
+def test_sigterm_checkpoints_stops_and_the_rerun_finishes(init_dir, tmp_path):
+  """SIGTERM mid-run: the loop checkpoints after the update in progress and exits 0
+  (`Preempted`), ledgering its in-flight work as dropped ("shutdown"); the same call again
+  resumes from that checkpoint, re-admits those prompts and finishes with a clean ledger."""
+  c = small_config(init_dir)
+  c.total_steps = 4
+  workdir = str(tmp_path / "run")
+  killer = threading.Thread(target=_sigterm_after_first_update, args=(workdir,), daemon=True)
+  killer.start()
+  with pytest.raises(preemption.Preempted) as stopped:
+    async_loop.run(c, workdir)
+  assert stopped.value.code == 0 and 1 <= stopped.value.step < c.total_steps
+  events = ledger_lib.read(os.path.join(workdir, "rollouts.jsonl"))
+  assert any(e.get("reason") == "shutdown" for e in events)
+  with open(os.path.join(workdir, "rl_control", f"{stopped.value.step}.json")) as f:
+    assert json.load(f)["requeue"], "the stopped run's in-flight prompts were not saved"
+  async_loop.run(c, workdir)
+  rows = _check_run(workdir, c)
+  assert rows[-1]["version"] == c.total_steps
+
+
+def _sigterm_after_first_update(workdir):
+  path = os.path.join(workdir, "metrics.jsonl")
+  deadline = time.monotonic() + 600
+  while time.monotonic() < deadline:
+    if os.path.exists(path) and any('"loss"' in line for line in open(path)):
+      os.kill(os.getpid(), signal.SIGTERM)
+      return
+    time.sleep(0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")   # Ray's exec'd subprocesses
 def test_ray_loop_with_a_killed_worker(init_dir, tmp_path):
   """The same loop with Ray actors: worker 0 is ray.kill-ed, found silent, restarted."""
   pytest.importorskip("ray")
@@ -114,3 +151,24 @@ def test_ray_loop_with_a_killed_worker(init_dir, tmp_path):
     assert rows[-1]["worker_restarts"] >= 1
   finally:
     ray.shutdown()
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("backend", "slurm", "config.rl.backend='slurm'"),
+    ("tau", -1, "config.rl.tau=-1"),
+    ("group_size", 1, "config.rl.group_size=1"),
+    ("episodes_per_worker", 2, "config.rl.episodes_per_worker=2"),
+    ("temperature", 0.7, "config.rl.temperature=0.7"),
+    ("eps_low", -0.1, "config.rl.eps_low"),
+    ("context", {"kind": "summarize"}, "config.rl.context="),
+    ("faults", {"env_crash_rate": 2.0}, "config.rl.faults.env_crash_rate=2.0"),
+    ("task", "tool_nope", "config.rl.task='tool_nope'"),
+])
+def test_bad_config_names_the_field(field, value, message):
+  c = small_config("/nonexistent")
+  if isinstance(value, dict):
+    c.rl[field].update(value)
+  else:
+    c.rl[field] = value
+  with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
+    async_loop.validate(c)

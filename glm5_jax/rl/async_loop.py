@@ -54,6 +54,7 @@ import orbax.checkpoint as ocp
 from glm5_jax import numerics
 from glm5_jax.data import chat
 from glm5_jax.rl import agent as agent_lib
+from glm5_jax.rl import context as context_lib
 from glm5_jax.rl import grpo
 from glm5_jax.rl import groups as groups_lib
 from glm5_jax.rl import heartbeat
@@ -115,6 +116,11 @@ def validate(c) -> None:
   for name in ("env_crash_rate", "slow_env_tail"):
     if not 0.0 <= r.faults[name] <= 1.0:
       raise ValueError(f"config.rl.faults.{name}={r.faults[name]}: expected a probability")
+  try:
+    context_lib.ContextPolicy(**r.context)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"config.rl.context={dict(r.context)}: {e}") from None
+  task_of(r.to_dict())
   ckpt_lib.check_run_fields(c, ("log_every", "total_steps"))
   if not c.init_from:
     raise ValueError("config.init_from: agentic RL starts from a trained model (an SFT "

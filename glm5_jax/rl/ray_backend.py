@@ -40,6 +40,14 @@ def _ray():
   return ray
 
 
+def init(address: str | None = None) -> None:
+  """Starts (or joins, `address`) a Ray instance unless one is up. Call it before JAX starts
+  its runtime: Ray forks helper processes, which a multithreaded JAX process should not."""
+  ray = _ray()
+  if not ray.is_initialized():
+    ray.init(address=address, include_dashboard=False)
+
+
 def worker_env(env_vars: dict | None = None) -> dict:
   """The environment variables of a worker actor: CPU JAX, single-threaded ops, the driver's
   XLA_FLAGS minus the fake device count; `env_vars` entries override."""
@@ -77,8 +85,7 @@ class RayBackend:
     if not isinstance(weights, weights_lib.FileWeights):
       raise TypeError(f"RayBackend weights={type(weights).__name__}: expected a FileWeights "
                       "(actors live in other processes; an InProcessWeights cannot reach them)")
-    if not ray.is_initialized():
-      ray.init(address=address, include_dashboard=False)
+    init(address)
     from ray.util import queue as ray_queue  # pylint: disable=g-import-not-at-top
     self._ray, self._queue = ray, ray_queue
     self.worker_cls, self.weights = worker_cls, weights
