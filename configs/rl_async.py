@@ -55,7 +55,7 @@ def get_config(arg=None):
       "episodes_per_worker": 32,          # episodes a worker runs at once
       "max_groups_in_flight": 16,         # admission's hard cap
       "route_load_bound": 1.25,           # consistent hashing with bounded loads
-      "max_new_tokens": 32,               # per assistant turn
+      "max_new_tokens": 48,               # per assistant turn (a tool_calc call needs 34-44)
       "max_len": 256,                     # engine rows per episode (its context)
       "max_turns": 4,
       "prefill_chunk": 64,

@@ -188,10 +188,16 @@ def test_weight_swap_mid_request_reprefills_and_records_versions(
     n0 = int((v == 0).sum())
     seq = p + o.token_ids
     for version, p_v, lo, hi in ((0, params, 0, n0), (1, params_v1, n0, len(v))):
-      logp, _ = reference([seq], p=p_v)
+      logp, ref_topk = reference([seq], p=p_v)
       pos = np.arange(len(p) - 1 + lo, len(p) - 1 + hi)
       np.testing.assert_allclose(np.asarray(o.logprobs)[lo:hi], logp[0, pos, seq[len(p) + lo:
                                  len(p) + hi]], atol=ATOL, rtol=0, err_msg=f"version {version}")
+      # The top-k that sampled each token is that token's version's, although the re-prefill
+      # after the swap recomputed the earlier positions under version 1.
+      for q in pos:
+        for layer in range(ref_topk.shape[0]):
+          assert sorted(o.topk_indices[q][layer]) == sorted(ref_topk[layer, 0, q]), (
+              version, q, layer)
   # The session's cached conversation was computed under version 0: its next turn is
   # prefilled again under version 1.
   turn = rng.integers(0, 256, 5).tolist()

@@ -86,7 +86,10 @@ class GenerationOutput:
     num_rounds: speculative verify rounds (0 without speculative decoding).
     num_accepted: drafts accepted over those rounds.
     topk_indices: with `record_topk=True`, {absolute position: int32 [L, K]} the DSA
-      top-k each layer chose for the token at that position.
+      top-k each layer chose for the token at that position, from its first computation:
+      for a position followed by a generated token, the step that sampled that token (a
+      re-prefill after `update_params` does not overwrite it), so it belongs to that token's
+      recorded version.
     num_cached_prompt_tokens: prompt rows taken from the cache (a session's conversation or
       a shared prefix) instead of being prefilled.
   """
@@ -735,8 +738,8 @@ class Engine:
       r.cache_len += int(n_valid[i])
       r.h_valid = True
       if r.topk is not None and out["topk"] is not None:
-        for j in range(n_valid[i]):
-          r.topk[int(start[i]) + j] = out["topk"][:, i, j]
+        for j in range(n_valid[i]):     # first computation wins: a re-prefill after a weight
+          r.topk.setdefault(int(start[i]) + j, out["topk"][:, i, j])   # swap keeps the record
       if r.cache_len == r.feed_end and not r.prefilled:
         r.prefilled = True
         pool = self._pools[r.shard]
