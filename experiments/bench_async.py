@@ -11,8 +11,9 @@ sigma 1.5: a heavy tail, as real agent environments have):
   async  tau > 0 and (tau + 1) N groups in flight (admission control): rollouts never wait,
          the trainer takes the first N finished groups.
 The target is the synchronous run's final training reward (mean of its last `--smooth`
-updates); the async time is when its own running mean first reaches it. A warm-up run
-compiles every shape first, so neither mode pays compilation. Prints a table, writes JSON
+updates); the async time is when its own running mean first reaches it. Each mode runs in its
+own process and is timed from the end of its first update, so neither pays compilation
+(nor the other's compiled code). Prints a table, writes JSON
 (per-update wall time, reward, idle ratios, staleness histogram) and a PNG of reward vs time.
 """
 
@@ -20,6 +21,7 @@ import json
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import tempfile
 
@@ -61,6 +63,8 @@ _SIGMA = flags.DEFINE_float("latency_sigma", 1.5, "environment latency log-norma
 _SMOOTH = flags.DEFINE_integer("smooth", 3, "updates in the running mean of the reward")
 _SEED = flags.DEFINE_integer("seed", 0, "seed")
 _OUT = flags.DEFINE_string("out", "docs/bench_async_cpu.json", "JSON path (PNG beside it)")
+_MODE = flags.DEFINE_enum("mode", None, ["sync", "async"], "internal: run one mode")
+_N = flags.DEFINE_integer("n", 0, "internal: updates of --mode")
 flags.DEFINE_integer("devices", 3, "XLA:CPU devices (trainer + 2 workers), set before JAX")
 
 
@@ -94,29 +98,43 @@ def running_mean(x, k):
   return np.asarray([x[max(0, i - k + 1):i + 1].mean() for i in range(len(x))])
 
 
-def run_mode(mode, updates, root):
-  workdir = os.path.join(root, mode)
+def run_mode(mode, updates, workdir):
+  """One mode's run; per-update rows timed from the end of its first update (compilation)."""
   async_loop.run(config(mode, updates), workdir)
   rows = [r for r in metrics_lib.read_rows(workdir) if "loss" in r]
-  return {"wall_s": [r["wall_s"] for r in rows], "reward": [r["reward_mean"] for r in rows],
+  t0 = rows[0]["wall_s"]
+  rows = rows[1:]
+  return {"wall_s": [r["wall_s"] - t0 for r in rows], "reward": [r["reward_mean"] for r in rows],
           "trainer_idle_ratio": rows[-1]["trainer_idle_ratio"],
           "rollout_idle_ratio": rows[-1]["rollout_idle_ratio"],
           "staleness_hist": {k.rsplit("_", 1)[1]: v for k, v in rows[-1].items()
                              if k.startswith("staleness_hist_")},
           "dropped": {k: v for k, v in rows[-1].items() if k.startswith("dropped_")},
           "logp_abs_diff_max": max(r["logp_abs_diff_max"] for r in rows),
-          "topk_mismatches": sum(r["topk_mismatches"] for r in rows)}
+          "topk_mismatches": sum(r["topk_mismatches"] for r in rows),
+          "topk_positions": sum(r["topk_positions"] for r in rows)}
 
 
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   root = tempfile.mkdtemp(prefix="bench_async_")
+  if _MODE.value:                 # one mode in this process (a child of the run below)
+    res = run_mode(_MODE.value, _N.value, os.path.join(root, _MODE.value))
+    shutil.rmtree(root, ignore_errors=True)
+    with open(_OUT.value, "w") as f:
+      json.dump(res, f)
+    return
+  # Each mode in a process of its own: compiled code does not pile up in one address space.
+  res = {}
   try:
-    run_mode("sync", 2, os.path.join(root, "warmup"))
-    run_mode("async", 2, os.path.join(root, "warmup"))
-    res = {"sync": run_mode("sync", _UPDATES.value, root),
-           "async": run_mode("async", 3 * _UPDATES.value, root)}
+    for mode, n in (("sync", _UPDATES.value + 1), ("async", 3 * _UPDATES.value + 1)):
+      path = os.path.join(root, f"{mode}.json")
+      argv = [a for a in sys.argv[1:] if not a.startswith(("--out=", "--mode=", "--n="))]
+      subprocess.run([sys.executable, "-m", "experiments.bench_async", *argv, f"--mode={mode}",
+                      f"--n={n}", f"--out={path}"], check=True)
+      with open(path) as f:
+        res[mode] = json.load(f)
   finally:
     shutil.rmtree(root, ignore_errors=True)
   k = _SMOOTH.value

@@ -182,9 +182,6 @@ class RolloutWorker:
     groups: dict = {}                            # group_id -> (request, ended episodes)
     try:
       while not should_stop():
-        if weights.version() > engine.version:
-          version, params = weights.latest()
-          engine.update_params(params, version)
         while driver.in_flight + r["group_size"] <= r["episodes_per_worker"]:
           try:
             req = inbox.get(timeout=0.0 if driver.in_flight else 0.02)
@@ -195,6 +192,11 @@ class RolloutWorker:
             ep = make_episode(task, req["problem"], tok, r, rollout_id=f"{req['group_id']}/{j}",
                               group_id=req["group_id"], prompt_index=req["prompt_index"])
             driver.add(maybe_crash_setup(ep, crash_rate, crash_rng), req["seed"])
+        # After taking work: the trainer publishes a version before admitting the groups
+        # meant for it, so a group never starts on the weights before.
+        if weights.version() > engine.version:
+          version, params = weights.latest()
+          engine.update_params(params, version)
         if not driver.in_flight:
           continue
         t_busy = time.monotonic()
