@@ -25,6 +25,7 @@ def test_output_shapes_and_dtypes(tiny_cfg, tiny_params, tiny_tokens, tiny_forwa
   assert np.all(np.isfinite(out.logits)) and np.all(np.asarray(out.indexer_kl) >= 0)
 
 
+@pytest.mark.slow   # ~15 s; CI time budget
 def test_mtp_has_one_module_applied_three_times(tiny_cfg, tiny_params, tiny_tokens, tiny_forward):
   assert set(tiny_params["mtp"]) == {"enorm", "hnorm", "eh_proj", "layer", "head_norm"}
   out = tiny_forward(tiny_params, tiny_tokens)

@@ -273,6 +273,7 @@ def test_rms_shape_full_scales_muon_split_by_the_whole_matrix_shape():
   assert 0.2 * NS_BAND[0] < np.sqrt(np.mean(per_head ** 2)) < 0.2 * NS_BAND[1]
 
 
+@pytest.mark.slow   # ~10 s; CI time budget
 def test_zero_gradient_leaves_only_decoupled_weight_decay():
   params, lr, wd = _tiny_params(), LR, WD
   (u,), _, _ = _run(TX, params, [jax.tree.map(jnp.zeros_like, params)], STEP)
@@ -488,6 +489,7 @@ def _sharded_check():
   print("RESULT " + json.dumps(out))
 
 
+@pytest.mark.slow   # ~20 s in a subprocess; CI time budget
 def test_sharded_update_on_8_devices_equals_unsharded_and_per_head_ns_has_no_collectives():
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
