@@ -147,7 +147,7 @@ class Prompts:
     c = index // self.chunk
     if c not in self._cache:
       self._cache = {c: self.task.problems("train", self.chunk,
-                                           worker_lib.seed_of(self.seed, 7, c))}
+                                           grpo.seed_of(self.seed, 7, c))}
     return self._cache[c][index % self.chunk]
 
 
@@ -239,12 +239,10 @@ def consistency(logprobs, snapshots: dict, batch, segs) -> dict:
 class Control:
   """The trainer's counters and queues that a checkpoint holds (besides params, optimizer)."""
 
-  FIELDS = ("update", "version", "consumed", "admitted", "cursor", "requeue", "rng")
-
   def __init__(self, seed: int):
     self.update = self.version = self.consumed = self.admitted = self.cursor = 0
     self.requeue: collections.deque = collections.deque()   # pristine prompt indices
-    self.rng = np.random.default_rng(worker_lib.seed_of(seed, 11))
+    self.rng = np.random.default_rng(grpo.seed_of(seed, 11))
 
   def to_json(self, in_flight) -> dict:
     return {"update": self.update, "version": self.version, "consumed": self.consumed,
@@ -352,7 +350,7 @@ class Trainer:
                         version=self.ctl.version)
       self.backend.inbox(wid).put({"group_id": gid, "prompt_index": index,
                              "problem": self.prompts[index], "group_size": self.r.group_size,
-                             "seed": worker_lib.seed_of(self.c.seed, 13, self.ctl.admitted)})
+                             "seed": grpo.seed_of(self.c.seed, 13, self.ctl.admitted)})
 
   def _drop_group(self, gid, index, reason, requeue: bool, rollouts=()):
     for rollout in rollouts:

@@ -66,7 +66,8 @@ class RLState:
   opt_state: object
 
 
-def _seed(*parts) -> int:
+def seed_of(*parts) -> int:
+  """A 31-bit seed derived from integer parts (seed, step, purpose, ...)."""
   return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0] % 2**31)
 
 
@@ -214,9 +215,9 @@ def _device_batch(b: traj_lib.TrajectoryBatch) -> dict:
 def rl_step(s: Setup, state: RLState, step: int):
   """One GRPO step (module docstring, steps 1-5). Returns (new state, metrics)."""
   c, r = s.c, s.c.rl
-  problems = s.task.problems("train", r.prompts_per_step, _seed(c.seed, step, 1))
+  problems = s.task.problems("train", r.prompts_per_step, seed_of(c.seed, step, 1))
   sp = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                      stop_token_ids=chat.stop_ids(s.tok), seed=_seed(c.seed, step, 2))
+                      stop_token_ids=chat.stop_ids(s.tok), seed=seed_of(c.seed, step, 2))
   trajs, stats = rollout_lib.rollout(s.engine, s.task, s.reward_fn, problems, s.tok,
                                      group_size=r.group_size, sampling=sp, version=step,
                                      enable_thinking=r.enable_thinking)
@@ -240,7 +241,7 @@ def rl_step(s: Setup, state: RLState, step: int):
     m["opd_advantage_mean"] = float(rl_losses.token_mean(opd, dev["loss_mask"]))
   dev = {**dev, "old_logp": old_logp, "advantages": advantages}
   t1 = time.perf_counter()
-  order = np.random.default_rng(_seed(c.seed, step, 3)).permutation(len(trajs))
+  order = np.random.default_rng(seed_of(c.seed, step, 3)).permutation(len(trajs))
   per_mb = []
   for idx in np.split(order, r.minibatches):
     state, mm = s.update(state, {k: v[jnp.asarray(idx)] for k, v in dev.items()})

@@ -37,11 +37,8 @@ from glm5_jax.data import chat
 from glm5_jax.inference import Engine
 from glm5_jax.rl import agent as agent_lib
 from glm5_jax.rl import context as context_lib
+from glm5_jax.rl.grpo import seed_of
 from glm5_jax.rl import tools as tools_lib
-
-
-def seed_of(*parts) -> int:
-  return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0] % 2**31)
 
 
 class ToolRunner:
