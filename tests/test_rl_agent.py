@@ -64,6 +64,28 @@ def _step(ep, rng, message, version=3):
   return prompt, out
 
 
+def test_a_later_turn_keeps_the_earlier_turns_top_k_records(rng):
+  """After a weight swap between turns the engine re-prefills the whole conversation and
+  reports its top-k there again, under the new version. Each position keeps the record of
+  the turn that sampled the token after it, the version the trainer compares it under."""
+  p = _problem()
+  ep = _episode(p)
+  first = ep.next_prompt()
+  o1 = _out(rng, _turn_ids(_call(p.prompt[len("calc: "):])), version=0)
+  turn1 = range(len(first) - 1, len(first) + len(o1.token_ids) - 1)
+  o1.topk_indices = {q: np.full((2, 4), 1, np.int32) for q in turn1}
+  ep.on_tool_results(agent.run_calls(ep.on_turn(o1), ep.tools))
+  second = ep.next_prompt()
+  o2 = _out(rng, _turn_ids(_answer(p.answer)), version=1)
+  end = len(first) + len(o1.token_ids) + len(second) + len(o2.token_ids) - 1
+  o2.topk_indices = {q: np.full((2, 4), 2, np.int32) for q in range(end)}   # re-prefilled
+  ep.on_turn(o2)
+  [tr] = ep.trajectories()
+  assert ep.done and sorted(tr.topk) == list(range(end))
+  assert {int(tr.topk[q][0, 0]) for q in turn1} == {1}
+  assert {int(tr.topk[q][0, 0]) for q in range(end) if q not in turn1} == {2}
+
+
 def test_tool_episode_row_is_render_of_the_conversation_and_loss_is_the_samples(rng):
   p = _problem()
   ep = _episode(p)

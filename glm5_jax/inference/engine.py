@@ -34,6 +34,16 @@ weights before they continue, prefix entries are keyed by version, and every gen
 token records the version that produced it (`GenerationOutput.versions`), so each token's
 log-prob is exactly that of a full forward under its recorded version.
 
+Batch invariance (`batch_invariant=True`, the default): a request's log-probs and top-k do
+not depend on which other requests share its device calls, so they equal the trainer's full
+forward bitwise on XLA:CPU (glm5_jax/numerics.py). Two things would otherwise change with
+the call's size: XLA:CPU runs a one-row batched dot with another kernel, and the MoE takes its
+gathered dispatch (another summation order; nn/moe.py `select_dispatch`) below E/K tokens.
+So every call has at least `invariant_tokens(cfg)` tokens (max(2, E/K)), idle lanes padding
+it. The one cost is lone-request decoding (e.g. 32 lanes instead of 1 for GLM-5's 256 / 8
+experts); `batch_invariant=False` trades exactness (~1e-6 in log-probs) for it. Under a mesh
+every call runs all `max_batch` slots, so choose max_batch >= invariant_tokens x shards.
+
 Shapes are bucketed so that new prompt lengths do not recompile: prefill chunks are padded
 to a power of two >= 16 (at most `prefill_chunk`), block tables to a power-of-two number of
 blocks; decode runs `steps_per_sync` steps per call. Padding is never written and never
@@ -185,6 +195,15 @@ def _pow2(n: int) -> int:
   return 1 << max(n - 1, 0).bit_length()
 
 
+def invariant_tokens(cfg) -> int:
+  """Fewest tokens per device call at which each row's result is independent of the others
+  (module docstring): 2, and ceil(E / K) if any layer (or the MTP layer) is MoE."""
+  n_layers = cfg.num_hidden_layers + (1 if cfg.has_mtp else 0)
+  if any(cfg.is_moe_layer(i) for i in range(n_layers)):
+    return max(2, -(-cfg.n_routed_experts // cfg.num_experts_per_tok))
+  return 2
+
+
 @functools.lru_cache(maxsize=32)
 def _step_fns(cfg, bs: int, speculative: bool, steps_per_sync: int, num_draft: int,
               rounds_per_sync: int):
@@ -228,7 +247,7 @@ class Engine:
                block_size: int = 16, num_blocks: int | None = None, prefill_chunk: int = 256,
                steps_per_sync: int = 8, speculative: bool = False, num_draft: int | None = None,
                rounds_per_sync: int = 1, scheduling: str = "continuous", version: int = 0,
-               mesh=None, rules=None):
+               mesh=None, rules=None, batch_invariant: bool = True):
     """Args:
       cfg: ModelConfig.
       params: the model's parameter tree (nn.init_params / hf.load_pretrained / a trainer).
@@ -248,6 +267,9 @@ class Engine:
         shardings (`rules`, default sharding.DEFAULT_RULES: heads over `tensor`, experts
         over `expert`), slots and the cache pool split over the batch axes (each request's
         blocks on its slots' shard). None: the first device.
+      batch_invariant: pad each device call to `invariant_tokens(cfg)` tokens so that a
+        request's results do not depend on its batch (module docstring); False: lone
+        requests decode in one lane (faster; log-probs then differ by float rounding).
     """
     for name, v in (("max_batch", max_batch), ("max_len", max_len), ("block_size", block_size),
                     ("prefill_chunk", prefill_chunk), ("steps_per_sync", steps_per_sync),
@@ -277,6 +299,7 @@ class Engine:
     self.steps_per_sync, self.speculative = steps_per_sync, speculative
     self.num_draft, self.rounds_per_sync, self.scheduling = num_draft, rounds_per_sync, scheduling
     self.version = version
+    self._min_tokens = invariant_tokens(cfg) if batch_invariant else 1
     self._buckets = _buckets(self.prefill_chunk)
     self._max_table = _pow2(per_request)
     self.mesh = mesh
@@ -656,13 +679,15 @@ class Engine:
       fresh = pool.allocate(max(n, 0))
     return fresh
 
-  def _lanes(self, rows):
-    """The slot of each lane (batch row) of a device call over `rows`: the participating
-    slots packed into a power-of-two batch, so that idle slots cost nothing (padding lanes:
-    slot max_batch). Under a mesh lane i is slot i (a slot's blocks live on its shard)."""
+  def _lanes(self, rows, t: int = 1):
+    """The slot of each lane (batch row) of a device call over `rows` with t tokens each: the
+    participating slots packed into a power-of-two batch, so that idle slots cost nothing
+    (padding lanes: slot max_batch), of at least `invariant_tokens` tokens when
+    batch-invariant. Under a mesh lane i is slot i (a slot's blocks live on its shard)."""
     if self._n_shards > 1:
       return [b if b in rows else self.max_batch for b in range(self.max_batch)]
-    return rows + [self.max_batch] * (min(_pow2(len(rows)), self.max_batch) - len(rows))
+    n = max(min(_pow2(len(rows)), self.max_batch), _pow2(-(-self._min_tokens // t)))
+    return rows + [self.max_batch] * (n - len(rows))
 
   def _live(self, lanes):
     return [(i, b) for i, b in enumerate(lanes) if b < self.max_batch]
@@ -714,9 +739,9 @@ class Engine:
   def _prefill_step(self):
     t0 = time.perf_counter()
     rows = [b for b, r in enumerate(self._slots) if r is not None and r.cache_len < r.feed_end]
-    lanes = self._lanes(rows)
     longest = max(self._slots[b].feed_end - self._slots[b].cache_len for b in rows)
     t = next(x for x in self._buckets if x >= min(longest, self.prefill_chunk))
+    lanes = self._lanes(rows, t)
     table = self._table(lanes, max([t] + [self._slots[b].cache_len + t for b in rows]))
     n = len(lanes)
     tokens = np.zeros((n, t), np.int32)

@@ -84,7 +84,10 @@ class _Segment:
     self.rollout_logp += [float(x) for x in out.logprobs]
     self.versions += [int(v) for v in out.versions]
     if out.topk_indices:
-      self.topk = {**(self.topk or {}), **out.topk_indices}
+      # A position keeps its first record: a later turn re-prefills the conversation after a
+      # weight swap, and the new version's top-k there is not the one that chose the earlier
+      # tokens (the trainer compares each token under the version that sampled it).
+      self.topk = {**out.topk_indices, **(self.topk or {})}
     self.finish_reason = out.finish_reason
 
 
