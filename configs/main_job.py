@@ -1,4 +1,5 @@
-r"""The main job: the tiny model through pretrain -> DSA warm-up -> DSA sparse -> SFT -> GRPO.
+r"""The main job: the tiny model through pretrain -> DSA warm-up -> DSA sparse -> SFT -> GRPO
+-> asynchronous RL.
 
   python -m experiments.main_job --config=configs/main_job.py --workdir=workdir/main
 """
@@ -7,6 +8,7 @@ import ml_collections
 
 from configs import pretrain
 from configs import rl
+from configs import rl_async
 
 
 def get_config(arg=None):
@@ -19,6 +21,7 @@ def get_config(arg=None):
   c.eval_every = 100
   c.eval_batches = 8
   c.async_checkpoints = True
+  c.num_devices = 1               # training on CPU device 0; device 1 is the rollout worker's
   c.stages = ml_collections.ConfigDict({
       "pretrain_steps": 300,
       "warmup_steps": 60,                  # DSA dense warm-up: only the indexer trains
@@ -47,4 +50,25 @@ def get_config(arg=None):
   r.rl.max_new_tokens = 8
   r.rl.eval_every = 50
   r.rl.checkpoint_every = 50
+  # Then the fully asynchronous loop (GLM-5 §3; glm5_jax/rl/async_loop.py) on the same task
+  # from GRPO's weights: one rollout worker on its own CPU device streams groups, the trainer
+  # consumes N per update with staleness <= tau, the double-sided IS loss.
+  a = rl_async.get_config(f"task={task},runlocal=True")
+  c.post.rl_async = a
+  a.total_steps = 8                        # 0: no asynchronous stage
+  a.learning_rate = 2e-5
+  a.rl.workers = 1
+  a.rl.group_size = 4
+  a.rl.groups_per_update = 16
+  a.rl.tau = 1
+  a.rl.max_groups_in_flight = 32
+  a.rl.episodes_per_worker = 64
+  a.rl.engine_batch = 32
+  a.rl.max_new_tokens = 8
+  a.rl.max_turns = 1
+  a.rl.max_len = 96
+  a.rl.prefill_chunk = 64
+  a.rl.eval_every = a.total_steps
+  a.rl.eval_problems = 500
+  a.rl.checkpoint_every = a.total_steps
   return c

@@ -75,7 +75,9 @@ def get_config(arg=None):
                                           # in WORKDIR/profile; () = none
   c.tensorboard = True
 
-  # Mesh sizes (one -1 = the rest of the devices) and the logical-axis rules.
+  # Mesh sizes (one -1 = the rest of the devices) and the logical-axis rules, over the first
+  # num_devices devices (0 = all; the main job keeps its other CPU device for RL rollouts).
+  c.num_devices = 0
   c.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "context": 1, "expert": 1,
                                       "tensor": 1})
   c.mesh_rules = ml_collections.FieldReference(None, field_type=list)

@@ -52,6 +52,8 @@ def get_config(arg=None):
       "temperature": 1.0,
       "workers": 2,                       # rollout workers (data-parallel replicas)
       "engine_batch": 16,                 # slots per worker engine
+      "engine_shape_buckets": False,      # False: one decode shape (all slots, whole view),
+                                          # compiled once; True: per-call buckets
       "episodes_per_worker": 32,          # episodes a worker runs at once
       "max_groups_in_flight": 16,         # admission's hard cap
       "route_load_bound": 1.25,           # consistent hashing with bounded loads
@@ -77,6 +79,8 @@ def get_config(arg=None):
       "heartbeat_timeout_s": 10.0,
       "max_wait_s": 1800.0,               # no update for this long: stop with a diagnosis
       "logprob_chunk": 256,
+      "warmup_lengths": (),               # padded lengths whose trainer steps compile first,
+                                          # e.g. (64, 128, 256): no stall on a new length
       "eval_every": 50,
       "eval_problems": 200,
       "checkpoint_every": 50,

@@ -1,4 +1,5 @@
-r"""The main job: prepare the corpus, pretrain, DSA warm-up, DSA sparse adaptation (tiny, CPU).
+r"""The main job: prepare the corpus, pretrain, DSA warm-up, DSA sparse adaptation, SFT, GRPO
+and asynchronous RL (tiny, CPU).
 
   python -m experiments.main_job --config=configs/main_job.py --workdir=workdir/main
 
@@ -10,6 +11,8 @@ before any later stage; the same command again continues where it stopped.
 from glm5_jax import numerics
 
 numerics.batch_invariant_cpu()   # before JAX starts: engine and trainer agree bitwise on CPU
+numerics.cpu_devices(2)          # training on device 0 (config.num_devices=1), the async RL
+                                 # stage's rollout worker on device 1
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import app

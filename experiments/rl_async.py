@@ -8,7 +8,6 @@ On CPU the rollout workers and the trainer get separate devices: set
 SIGTERM checkpoints and exits 0; the same command resumes.
 """
 
-import os
 import sys
 
 from glm5_jax import numerics
@@ -16,15 +15,9 @@ from glm5_jax import numerics
 numerics.batch_invariant_cpu()   # before JAX starts: engine and trainer agree bitwise on CPU
 
 
-def _cpu_devices(argv) -> None:
-  """--devices=N (default 3) as fake XLA:CPU devices, before JAX starts."""
-  n = next((a.split("=", 1)[1] for a in argv if a.startswith("--devices=")), "3")
-  flag = f"--xla_force_host_platform_device_count={int(n)}"
-  if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
-
-
-_cpu_devices(sys.argv)
+# --devices=N (default 3) as fake XLA:CPU devices, before JAX starts.
+numerics.cpu_devices(int(next((a.split("=", 1)[1] for a in sys.argv
+                               if a.startswith("--devices=")), "3")))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import app

@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 
 FLAG = "--xla_cpu_experimental_ynn_fusion_type="
+DEVICES_FLAG = "--xla_force_host_platform_device_count="
 
 
 def is_set() -> bool:
@@ -51,3 +52,15 @@ def batch_invariant_cpu() -> None:
         f"(the CPU backend reads XLA_FLAGS once); set XLA_FLAGS='{FLAG}' in the environment "
         "or call it first thing")
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + FLAG).strip()
+
+
+def cpu_devices(n: int) -> None:
+  """Asks XLA:CPU for n (fake) devices before JAX starts, so that a CPU machine splits into a
+  trainer's device and RL rollout workers' devices. A count already in XLA_FLAGS wins."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if DEVICES_FLAG in flags:
+    return
+  if _backends_started():
+    raise RuntimeError(f"glm5_jax.numerics.cpu_devices({n}) must run before JAX's first "
+                       f"computation; set XLA_FLAGS='{DEVICES_FLAG}{n}' in the environment")
+  os.environ["XLA_FLAGS"] = (flags + f" {DEVICES_FLAG}{int(n)}").strip()

@@ -117,6 +117,12 @@ def test_a_lone_request_equals_the_trainer_bitwise(cfg, engine, reference, rng):
   MoE's gathered dispatch sum in other orders. Its log-probs equal the trainer's to the bit."""
   assert engine_lib.invariant_tokens(cfg) == 4 and len(engine._lanes([1])) == 4
   assert len(engine._lanes([0, 2], t=16)) == 2
+  engine.shape_buckets = False          # one decode shape: every slot, the whole view
+  try:
+    assert len(engine._lanes([0, 2], t=16)) == 3 and len(engine._lanes([1])) == 4
+    assert engine._table([engine.max_batch] * 4, 5).shape == (4, 16)   # pow2 of 96 / 8
+  finally:
+    engine.shape_buckets = True
   prompt = rng.integers(0, 256, 11).tolist()
   out = engine.generate([prompt], SamplingParams(max_new_tokens=13, seed=3), record_topk=True)[0]
   _check(reference, [(prompt, out.token_ids)], [out], atol=0.0)

@@ -9,6 +9,7 @@ versions advance, and with faults injected a killed worker is found, restarted a
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -163,6 +164,7 @@ def test_ray_loop_with_a_killed_worker(init_dir, tmp_path):
     ("context", {"kind": "summarize"}, "config.rl.context="),
     ("faults", {"env_crash_rate": 2.0}, "config.rl.faults.env_crash_rate=2.0"),
     ("task", "tool_nope", "config.rl.task='tool_nope'"),
+    ("warmup_lengths", (64, 100000), r"config.rl.warmup_lengths=(64, 100000)"),
 ])
 def test_bad_config_names_the_field(field, value, message):
   c = small_config("/nonexistent")
@@ -170,5 +172,5 @@ def test_bad_config_names_the_field(field, value, message):
     c.rl[field].update(value)
   else:
     c.rl[field] = value
-  with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
+  with pytest.raises(ValueError, match=re.escape(message)):
     async_loop.validate(c)

@@ -5,6 +5,7 @@ main job's summary prints a stage's missing metric as nan."""
 import json
 import os
 
+import jax
 import pytest
 
 from configs import pretrain
@@ -33,6 +34,8 @@ def _config(**fields):
     ("seed", -1, r"config.seed=-1: expected an integer in \[0, 2\*\*31\)"),
     ("param_init", "gpu", r"config.param_init='gpu': expected 'auto', 'host' or 'jit'"),
     ("profile_steps", (5, 2), r"config.profile_steps=\(5, 2\): expected \(\) or \(start, stop\)"),
+    ("num_devices", -1, r"config.num_devices=-1: expected an int in \[0, \d+\] \(0 = every"),
+    ("num_devices", 4096, r"config.num_devices=4096: expected an int in \[0, \d+\]"),
 ])
 def test_bad_field_is_refused_with_its_name(field, value, match):
   with pytest.raises(ValueError, match=match):
@@ -41,6 +44,8 @@ def test_bad_field_is_refused_with_its_name(field, value, match):
 
 def test_default_config_is_valid():
   loop.validate_config(_config())
+  loop.validate_config(_config(num_devices=1))
+  assert loop._devices(_config(num_devices=1)) == jax.devices()[:1]
   loop.validate_config(_config(profile_steps=(2, 4)))
 
 
@@ -97,3 +102,32 @@ def test_profile_steps_write_a_trace_of_those_steps(tmp_path):
   assert seen == [False, True, True, False, False]
   traces = [f for _, _, fs in os.walk(tmp_path / "profile") for f in fs if f.endswith(".xplane.pb")]
   assert len(traces) == 1
+
+
+def test_summary_reports_grpo_and_the_async_rl_stage(tmp_path):
+  rows = {name: [{"step": 1, "eval_loss": 1.0}] for name in
+          ("pretrain", "dense_baseline", "dsa_warmup", "dsa_sparse", "sft")}
+  rl = {"logp_abs_diff_max": 0.0, "topk_mismatches": 0.0, "topk_positions": 10.0}
+  rows["grpo"] = [{"step": 0, "heldout_accuracy": 0.5, "heldout_problems": 8},
+                  {"step": 1, "reward_mean": 0.5, **rl},
+                  {"step": 1, "heldout_accuracy": 0.625}]
+  rows["rl_async"] = [{"step": 0, "heldout_success_rate": 0.625},
+                      {"step": 1, "reward_mean": 0.6, "staleness_max": 1.0,
+                       "trainer_idle_ratio": 0.3, **rl},
+                      {"step": 2, "reward_mean": 0.7, "staleness_max": 0.0,
+                       "trainer_idle_ratio": 0.2, **rl, "topk_positions": 12.0},
+                      {"step": 2, "heldout_success_rate": 0.75}]
+  for name, ms in rows.items():
+    os.makedirs(tmp_path / name)
+    with open(tmp_path / name / "metrics.jsonl", "w") as f:
+      f.writelines(json.dumps(m) + "\n" for m in ms)
+  meta = {"train_unigram_entropy_bits_per_token": 4.0,
+          "splits": {"train": {"tokens": 10, "bytes": 10}}}
+  s = stages._summarize(dict.fromkeys(rows, {}), dict.fromkeys(rows, 1.0), meta, str(tmp_path))
+  assert s["post_training"]["heldout_accuracy_after_grpo"] == 0.625
+  assert s["async_rl"] == {
+      "heldout_accuracy_before": 0.625, "heldout_accuracy_after": 0.75, "updates": 2,
+      "train_rollout_logp_abs_diff_max": 0.0, "topk_mismatches": 0.0,
+      "topk_positions_compared": 22.0, "staleness_max": 1.0, "trainer_idle_ratio": 0.2}
+  assert ("async RL (2 updates, staleness <= 1): held-out accuracy 0.625 -> 0.750; "
+          "|dlogp| max 0, top-k mismatches 0 of 22") in stages._table(s)

@@ -247,7 +247,8 @@ class Engine:
                block_size: int = 16, num_blocks: int | None = None, prefill_chunk: int = 256,
                steps_per_sync: int = 8, speculative: bool = False, num_draft: int | None = None,
                rounds_per_sync: int = 1, scheduling: str = "continuous", version: int = 0,
-               mesh=None, rules=None, batch_invariant: bool = True):
+               mesh=None, rules=None, batch_invariant: bool = True,
+               shape_buckets: bool = True):
     """Args:
       cfg: ModelConfig.
       params: the model's parameter tree (nn.init_params / hf.load_pretrained / a trainer).
@@ -270,6 +271,11 @@ class Engine:
       batch_invariant: pad each device call to `invariant_tokens(cfg)` tokens so that a
         request's results do not depend on its batch (module docstring); False: lone
         requests decode in one lane (faster; log-probs then differ by float rounding).
+      shape_buckets: size each call to its requests (power-of-two lanes and block-table
+        buckets: less idle work, more compiled shapes). False: every call runs all
+        max_batch lanes over the whole max_len view, so only the prefill chunk length
+        varies; for long runs where compiling each bucket costs more than the idle lanes
+        (RL rollouts on CPU compile ~5 s per shape of the tiny model).
     """
     for name, v in (("max_batch", max_batch), ("max_len", max_len), ("block_size", block_size),
                     ("prefill_chunk", prefill_chunk), ("steps_per_sync", steps_per_sync),
@@ -300,6 +306,7 @@ class Engine:
     self.num_draft, self.rounds_per_sync, self.scheduling = num_draft, rounds_per_sync, scheduling
     self.version = version
     self._min_tokens = invariant_tokens(cfg) if batch_invariant else 1
+    self.shape_buckets = shape_buckets
     self._buckets = _buckets(self.prefill_chunk)
     self._max_table = _pow2(per_request)
     self.mesh = mesh
@@ -686,7 +693,8 @@ class Engine:
     batch-invariant. Under a mesh lane i is slot i (a slot's blocks live on its shard)."""
     if self._n_shards > 1:
       return [b if b in rows else self.max_batch for b in range(self.max_batch)]
-    n = max(min(_pow2(len(rows)), self.max_batch), _pow2(-(-self._min_tokens // t)))
+    n = min(_pow2(len(rows)), self.max_batch) if self.shape_buckets else self.max_batch
+    n = max(n, _pow2(-(-self._min_tokens // t)))
     return rows + [self.max_batch] * (n - len(rows))
 
   def _live(self, lanes):
@@ -696,6 +704,8 @@ class Engine:
     """Block tables [lanes, m], m the power-of-two bucket of the blocks that rows
     0 .. horizon - 1 span (at least `horizon` rows: the call's queries)."""
     m = _pow2(self._pools[0].blocks_for(horizon))
+    if not self.shape_buckets:
+      m = max(m, self._max_table)
     table = np.full((len(lanes), m), self.num_blocks, np.int32)
     for i, b in self._live(lanes):
       blocks = self._slots[b].blocks[:m]

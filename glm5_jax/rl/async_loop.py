@@ -52,6 +52,7 @@ import optax
 import orbax.checkpoint as ocp
 
 from glm5_jax import numerics
+from glm5_jax import timing
 from glm5_jax.data import chat
 from glm5_jax.rl import agent as agent_lib
 from glm5_jax.rl import context as context_lib
@@ -96,6 +97,10 @@ def validate(c) -> None:
             "checkpoint_every", "eval_problems", "max_groups_in_flight"):
     if r[f] < 1:
       raise ValueError(f"config.rl.{f}={r[f]}: expected >= 1")
+  longest = traj_lib.bucket_length(r.max_len)
+  if any(not isinstance(t, int) or t < 1 or t > longest for t in r.warmup_lengths):
+    raise ValueError(f"config.rl.warmup_lengths={tuple(r.warmup_lengths)}: expected ints in "
+                     f"[1, {longest}] (padded lengths up to config.rl.max_len's bucket)")
   if r.tau < 0:
     raise ValueError(f"config.rl.tau={r.tau}: expected >= 0 (0 = every token of a consumed "
                      "group from the current version)")
@@ -466,6 +471,18 @@ class Trainer:
     taken, self.ready = keep[:self.r.groups_per_update], keep[self.r.groups_per_update:]
     return taken
 
+  def warmup(self, lengths) -> None:
+    """Compiles the trainer's steps for batches of N x G rows padded to each of `lengths`
+    (results discarded), so that a long run does not stall on a new length later."""
+    rows = traj_lib.bucket_length(self.r.groups_per_update * self.r.group_size, minimum=1)
+    for t in lengths:
+      dummy = traj_lib.Trajectory([0] * t, [0.0] * t, [0.0] * t, [-1] * t)
+      batch = traj_lib.make_batch([dummy] * rows, np.zeros(rows), length=t)
+      dev = {k: jnp.asarray(getattr(batch, k)) for k in (
+          "tokens", "positions", "segment_ids", "loss_mask", "rollout_logp", "advantages")}
+      jax.block_until_ready(self.logprobs(self.params, dev))
+      jax.block_until_ready(self.update_fn(self.params, self.opt_state, dev))
+
   def _train(self, taken: list[Group]) -> dict:
     t0 = time.perf_counter()
     batch, segs = batch_of(taken, self.r.normalize_std)
@@ -562,6 +579,7 @@ def run(c, workdir: str, *, clock=time.monotonic) -> dict:
   preempt = preemption.Preemption()
   writer, last, stop = None, {}, False
   try:
+    timing.compile_seconds()        # count compilations from here (metrics "compile_s")
     restored = tr.restore(mngr)
     start = tr.ctl.update
     if start > c.total_steps:
@@ -582,6 +600,8 @@ def run(c, workdir: str, *, clock=time.monotonic) -> dict:
     tr.backend.start([tr._spec(wid) for wid in range(r.workers)])
     for wid in range(r.workers):
       tr.monitor.register(wid)
+    tr._pump(0.0)                        # admit the first groups, then, while the
+    tr.warmup(r.warmup_lengths)          # workers compile and sample them, the trainer's steps
     if r.faults.kill_worker_after_s > 0:
       tr.kill_at = clock() + r.faults.kill_worker_after_s
     wait_s = 0.0
@@ -607,7 +627,9 @@ def run(c, workdir: str, *, clock=time.monotonic) -> dict:
       prefix = routing.PrefixStats()
       for s in tr.worker_stats.values():
         prefix.record(s.get("cached_prompt_tokens", 0), s.get("prompt_tokens", 0))
+      compile_s, compiles = timing.compile_seconds()      # this process (local workers too)
       m.update(trainer_idle_ratio=wait_s / max(wall, 1e-9),
+               compile_s=compile_s, compiles=float(compiles),
                rollout_idle_ratio=1.0 - (float(np.mean(busy)) / max(wall, 1e-9)
                                          if busy else 0.0),
                prefix_hit_rate=prefix.hit_rate,

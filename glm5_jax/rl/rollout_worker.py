@@ -112,7 +112,7 @@ def build_engine(cfg, params, r: dict, version: int, device=None) -> Engine:
   mesh = None if device is None else shd.make_mesh({"data": 1}, [device])
   return Engine(cfg, params, max_batch=r["engine_batch"], max_len=r["max_len"],
                 prefill_chunk=r["prefill_chunk"], steps_per_sync=r["steps_per_sync"],
-                version=version, mesh=mesh)
+                version=version, mesh=mesh, shape_buckets=r["engine_shape_buckets"])
 
 
 def make_episode(task, problem, tok, r: dict, *, rollout_id: str, group_id: str,

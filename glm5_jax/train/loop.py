@@ -51,6 +51,18 @@ def maybe_initialize_distributed(c) -> None:
                              process_id=d.process_id if d.process_id >= 0 else None)
 
 
+def _devices(c):
+  """The devices of the mesh: the first `config.num_devices` (0: all of them). A CPU job
+  that gives other devices to RL rollout workers trains on device 0 alone, as before."""
+  n = c.get("num_devices", 0)
+  if not isinstance(n, int) or not 0 <= n <= jax.device_count():
+    raise ValueError(f"config.num_devices={n!r}: expected an int in [0, {jax.device_count()}] "
+                     "(0 = every device)")
+  if n and jax.process_count() > 1:
+    raise ValueError(f"config.num_devices={n}: a multi-process run uses every device (0)")
+  return jax.devices()[:n] if n else None
+
+
 def _validate(c, cfg, n_proc: int, mesh) -> None:
   if c.seq_len > cfg.max_position_embeddings:
     raise ValueError(f"config.seq_len={c.seq_len} > model max_position_embeddings="
@@ -93,6 +105,7 @@ def validate_config(c) -> None:
     raise ValueError(f"config.profile_steps={ps!r}: expected () or (start, stop) with "
                      "0 <= start < stop (steps start..stop-1 are traced), e.g. "
                      "--config.profile_steps='(10, 13)'")
+  _devices(c)
 
 
 _DATA = {"corpus": corpus, "conversations": sft}     # a stage's data -> its module
@@ -279,7 +292,7 @@ def _run(c, workdir: str, preempt) -> dict:
   if step_lib.get_stage(c.stage).runner != "loop":
     raise ValueError(f"config.stage={c.stage!r} trains on rollouts, not a corpus: run it with "
                      "`python -m experiments.rl` (glm5_jax.rl.grpo)")
-  mesh = shd.make_mesh(dict(c.mesh))
+  mesh = shd.make_mesh(dict(c.mesh), _devices(c))
   n_proc = jax.process_count()
   _validate(c, cfg, n_proc, mesh)
   meta = ensure_data(c)
@@ -361,7 +374,7 @@ def _run(c, workdir: str, preempt) -> dict:
     if rows:
       p = progress.update(step)
       rows[-1][1].update(p, est_mfu=flops.mfu(p["tokens_per_s"], flops_tok,
-                                                jax.device_count(), c.peak_tflops))
+                                                mesh.size, c.peak_tflops))
       for s, m in rows:
         writer.write(s, m)
       last = dict(rows[-1][1])

@@ -1,13 +1,14 @@
 """The paper's stage sequence, small: pretrain -> DSA dense warm-up -> DSA sparse adaptation
--> SFT -> reasoning RL (GRPO + IcePop).
+-> SFT -> reasoning RL (GRPO + IcePop) -> asynchronous RL.
 
 Each stage runs in its own sub-workdir and starts from the previous stage's parameters
 (`init_from`). A dense continuation of the pretrained model for as many steps as the sparse
 adaptation is the baseline of our small-scale "DSA ~ MLA" comparison (GLM-5 paper §2, DSA
 table). Post-training (§3) writes SFT conversations for `post.task`, fine-tunes on them
 (`stage="sft"`) and runs synchronous GRPO on the same task (`glm5_jax.rl.grpo`), measuring
-held-out accuracy (greedy) after SFT and after GRPO. A stage already finished is read back,
-not run again.
+held-out accuracy (greedy) after SFT and after GRPO; then `post.rl_async` continues from
+GRPO's weights on the fully asynchronous loop (`glm5_jax.rl.async_loop`, a rollout worker on
+its own device). A stage already finished is read back, not run again.
 
 Preemption (train/preemption.py): SIGTERM stops the running stage at a checkpoint and ends
 the job (exit 0) before any later stage; the rerun resumes that stage and continues, so the
@@ -24,6 +25,7 @@ import time
 from absl import logging
 
 from glm5_jax.data import corpus
+from glm5_jax.rl import async_loop
 from glm5_jax.rl import grpo
 from glm5_jax.rl import tasks
 from glm5_jax.train import loop
@@ -60,10 +62,12 @@ def _sft_config(c, workdir: str):
   return sc
 
 
-def _rl_config(c, workdir: str):
-  rc = c.post.rl.copy_and_resolve_references()
+def _rl_config(c, section, init_from: str):
+  """The RL stage config `section` (c.post.rl, c.post.rl_async) on the job's task, from
+  `init_from`."""
+  rc = section.copy_and_resolve_references()
   with rc.unlocked():
-    rc.init_from = os.path.join(workdir, "sft")
+    rc.init_from = init_from
     rc.seed = c.seed
     rc.data.tokenizer = c.data.tokenizer
     rc.rl.task = c.post.task
@@ -82,7 +86,8 @@ def _write_sft_data(c, workdir: str) -> str:
 
 
 def run_all(c, workdir: str) -> dict:
-  """Runs every stage in `workdir/{pretrain,dense_baseline,dsa_warmup,dsa_sparse,sft,grpo}`."""
+  """Runs every stage in `workdir/{pretrain,dense_baseline,dsa_warmup,dsa_sparse,sft,grpo,
+  rl_async}`."""
   s = c.stages
   plan = [
       ("pretrain", "pretrain", s.pretrain_steps, "", c.learning_rate, c.warmup_steps),
@@ -107,8 +112,17 @@ def run_all(c, workdir: str) -> dict:
     timings["sft"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     logging.info("=== grpo: %d steps on %s from sft", c.post.rl.total_steps, c.post.task)
-    results["grpo"] = grpo.run(_rl_config(c, workdir), os.path.join(workdir, "grpo"))
+    results["grpo"] = grpo.run(_rl_config(c, c.post.rl, os.path.join(workdir, "sft")),
+                               os.path.join(workdir, "grpo"))
     timings["grpo"] = time.perf_counter() - t0
+  if c.post.enabled and c.post.get("rl_async") and c.post.rl_async.total_steps > 0:
+    t0 = time.perf_counter()
+    logging.info("=== rl_async: %d updates on %s from grpo", c.post.rl_async.total_steps,
+                 c.post.task)
+    results["rl_async"] = async_loop.run(
+        _rl_config(c, c.post.rl_async, os.path.join(workdir, "grpo")),
+        os.path.join(workdir, "rl_async"))
+    timings["rl_async"] = time.perf_counter() - t0
   meta = corpus.load_meta(c.data.dir)
   summary = _summarize(results, timings, meta, workdir)
   with open(os.path.join(workdir, "summary.json"), "w") as f:
@@ -156,6 +170,20 @@ def _summarize(results, timings, meta, workdir):
         "topk_mismatches": sum(m["topk_mismatches"] for m in steps),
         "topk_positions_compared": sum(m["topk_positions"] for m in steps),
         "sft_eval_loss": rows["sft"]["eval_loss"]}
+  if "rl_async" in results:
+    a_dir = os.path.join(workdir, "rl_async")
+    acc = [(m["step"], m["heldout_success_rate"]) for m in _read_metrics(a_dir)
+           if "heldout_success_rate" in m] or [(0, None)]
+    ups = [m for m in _read_metrics(a_dir) if "reward_mean" in m]
+    out["async_rl"] = {
+        "heldout_accuracy_before": acc[0][1], "heldout_accuracy_after": acc[-1][1],
+        "updates": len(ups),
+        "train_rollout_logp_abs_diff_max": max((m["logp_abs_diff_max"] for m in ups),
+                                               default=None),
+        "topk_mismatches": sum(m["topk_mismatches"] for m in ups),
+        "topk_positions_compared": sum(m["topk_positions"] for m in ups),
+        "staleness_max": max((m["staleness_max"] for m in ups), default=None),
+        "trainer_idle_ratio": ups[-1]["trainer_idle_ratio"] if ups else None}
   return out
 
 
@@ -185,6 +213,14 @@ def _table(s) -> str:
         f" ({100 * (p['heldout_accuracy_after_grpo'] - p['heldout_accuracy_after_sft']):+.1f} "
         f"points); train/rollout |dlogp| max {p['train_rollout_logp_abs_diff_max']:.2g}, "
         f"top-k mismatches {p['topk_mismatches']:.0f} of {p['topk_positions_compared']:.0f}")
+  a = s.get("async_rl")
+  if a:
+    a = {k: nan(v) for k, v in a.items()}
+    lines.append(
+        f"async RL ({a['updates']:.0f} updates, staleness <= {a['staleness_max']:.0f}): held-out "
+        f"accuracy {a['heldout_accuracy_before']:.3f} -> {a['heldout_accuracy_after']:.3f}; "
+        f"|dlogp| max {a['train_rollout_logp_abs_diff_max']:.2g}, top-k mismatches "
+        f"{a['topk_mismatches']:.0f} of {a['topk_positions_compared']:.0f}")
   return "\n".join(lines)
 
 
@@ -223,7 +259,18 @@ def _plot(curves: dict, path: str):
       ax3.plot(*zip(*rw), alpha=0.5, label="GRPO train reward (mean of the batch)")
     if acc:
       ax3.plot(*zip(*acc), "o-", label="held-out accuracy (greedy)")
-    ax3.set_xlabel("GRPO step (0 = after SFT)")
+    if "rl_async" in curves:            # its updates continue from GRPO's last step
+      n_rl = max((m["step"] for m in curves["grpo"]), default=0)
+      rows = curves["rl_async"]
+      rw = [(n_rl + m["step"], m["reward_mean"]) for m in rows if "reward_mean" in m]
+      acc = [(n_rl + m["step"], m["heldout_success_rate"]) for m in rows
+             if "heldout_success_rate" in m]
+      if rw:
+        ax3.plot(*zip(*rw), alpha=0.5, label="async RL train reward")
+      if acc:
+        ax3.plot(*zip(*acc), "s-", label="held-out accuracy, async RL")
+      ax3.axvline(n_rl, color="gray", lw=0.8, ls=":")
+    ax3.set_xlabel("GRPO step (0 = after SFT), then async RL updates")
     ax3.set_ylabel("reward / accuracy")
     ax3.legend(fontsize=7)
   fig.tight_layout()
