@@ -478,8 +478,7 @@ class Trainer:
     for t in lengths:
       dummy = traj_lib.Trajectory([0] * t, [0.0] * t, [0.0] * t, [-1] * t)
       batch = traj_lib.make_batch([dummy] * rows, np.zeros(rows), length=t)
-      dev = {k: jnp.asarray(getattr(batch, k)) for k in (
-          "tokens", "positions", "segment_ids", "loss_mask", "rollout_logp", "advantages")}
+      dev = grpo.device_batch(batch)
       jax.block_until_ready(self.logprobs(self.params, dev))
       jax.block_until_ready(self.update_fn(self.params, self.opt_state, dev))
 
@@ -487,8 +486,7 @@ class Trainer:
     t0 = time.perf_counter()
     batch, segs = batch_of(taken, self.r.normalize_std)
     m = consistency(self.logprobs, self.snapshots, batch, segs)
-    dev = {k: jnp.asarray(getattr(batch, k)) for k in (
-        "tokens", "positions", "segment_ids", "loss_mask", "rollout_logp", "advantages")}
+    dev = grpo.device_batch(batch)
     self.params, self.opt_state, mu = self.update_fn(self.params, self.opt_state, dev)
     m.update({k: float(v) for k, v in jax.device_get(mu).items()})
     rewards = np.asarray([ro[0].reward for g in taken for ro in g.rollouts])

@@ -207,7 +207,8 @@ def consistency_metrics(batch, old_logp_bt, topk, trajs) -> dict:
           "topk_mismatches": float(bad), "topk_positions": float(total)}
 
 
-def _device_batch(b: traj_lib.TrajectoryBatch) -> dict:
+def device_batch(b: traj_lib.TrajectoryBatch) -> dict:
+  """The fields of `b` a trainer step reads, as device arrays."""
   return {k: jnp.asarray(getattr(b, k)) for k in ("tokens", "positions", "segment_ids",
                                                   "loss_mask", "rollout_logp", "advantages")}
 
@@ -231,7 +232,7 @@ def rl_step(s: Setup, state: RLState, step: int):
   batch = traj_lib.make_batch(trajs, adv if use_task else np.zeros_like(adv))
   batch.loss_mask[~valid] = 0.0                  # environment failures carry no loss
   t0 = time.perf_counter()
-  dev = _device_batch(batch)
+  dev = device_batch(batch)
   old_logp, ent, topk = s.recompute(state.params, dev)
   m = consistency_metrics(batch, old_logp, topk, trajs)
   advantages = dev["advantages"]
