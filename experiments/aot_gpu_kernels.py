@@ -49,7 +49,7 @@ from pallas_kernels.lightning_indexer import kernel as indexer_kernel
 from pallas_kernels.sparse_attention import kernel as sparse_kernel
 
 SEQ = 4096
-H, D_QK, V_DIM, TOPK = 64, 576, 512, 2048      # sparse MLA (GLM-5 spec §1)
+H, D_QK, V_DIM, TOPK = 64, 576, 512, 2048      # sparse MLA (GLM-5, docs/design.md §1)
 H_I, D_I = 32, 128                              # lightning indexer
 TARGET = GPUTarget("cuda", 90, 32)              # H200
 SMEM_LIMIT = 227 * 1024                         # per block, sm_90

@@ -42,6 +42,7 @@ from glm5_jax.inference import Engine
 from glm5_jax.inference import SamplingParams
 from glm5_jax.inference import steps
 from glm5_jax.nn import kv_cache
+from glm5_jax.nn import layer_stack
 from glm5_jax.train import checkpoint as train_checkpoint
 
 SECTIONS = ("continuous", "prefix", "hf", "speculative", "bf16", "contexts")
@@ -195,7 +196,7 @@ def bench_speculative(cfg, params):
   out["speed_up_vs_best_plain"] = best_plain / best_spec
   # One round's parts at decode shapes (each a jitted call of its own, dispatch included).
   bs = 16
-  cache = kv_cache.init_cache(cfg, 16 * bs, with_mtp=True)
+  cache = layer_stack.init_cache(cfg, 16 * bs, with_mtp=True)
   table = jnp.arange(16, dtype=jnp.int32)[None]
   pos = jnp.asarray([100], jnp.int32)
   one = jnp.ones(1, jnp.int32)

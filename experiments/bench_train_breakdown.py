@@ -25,6 +25,7 @@ import numpy as np
 from glm5_jax import config as config_lib
 from glm5_jax import nn as gnn
 from glm5_jax import numerics
+from glm5_jax.nn import ffn
 from glm5_jax.nn import moe
 from glm5_jax.train import flops as flops_lib
 from glm5_jax.train import step as step_lib
@@ -74,7 +75,7 @@ def _build(kind, o, batch):
     run = lambda: fn(params, batch)[0]
   dispatch = moe.select_dispatch
   if o["dispatch"] == "gathered":          # trace with the gathered experts, then restore
-    moe.select_dispatch = lambda cfg, n: moe.gathered_swiglu
+    moe.select_dispatch = lambda cfg, n: ffn.gathered_swiglu
   try:
     t0 = time.perf_counter()
     jax.block_until_ready(run())                                   # compile + first run

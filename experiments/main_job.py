@@ -19,7 +19,7 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-from glm5_jax.train import stages
+from experiments import main_job_stages
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/main_job.py", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", "workdir/main", "run directory")
@@ -27,7 +27,7 @@ _WORKDIR = flags.DEFINE_string("workdir", "workdir/main", "run directory")
 
 def main(argv):
   del argv
-  stages.run_all(_CONFIG.value, _WORKDIR.value)
+  main_job_stages.run_all(_CONFIG.value, _WORKDIR.value)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Load and save Hugging Face GLM-5 (`glm_moe_dsa`) checkpoints, whole or sharded on a mesh.
 
-Checkpoint layout (spec §1): torch Linear weights are [out, in]; routed experts
+Checkpoint layout (docs/design.md §1): torch Linear weights are [out, in]; routed experts
 are stored per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`); the MTP
 layer is `model.layers.{num_hidden_layers}.*` with `enorm`, `hnorm`, `eh_proj`,
 `shared_head.norm` next to a full decoder layer. transformers' in-memory fused

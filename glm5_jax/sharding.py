@@ -1,4 +1,4 @@
-"""Device mesh and the logical-axis rules table (design.md decisions 1-2).
+"""Device mesh and the logical-axis rules table (docs/design.md decisions 1-2).
 
 Mesh axes are `data, fsdp, context, expert, tensor`; sizes come from the config with
 one -1 meaning "the rest of the devices". Every parameter carries logical axis
@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "context", "expert", "tensor")
 BATCH_AXES = ("data", "fsdp", "expert")            # the global batch is split over these
+TENSOR_AXIS = "tensor"                               # heads (and MLP widths)
 TOKEN_AXES = BATCH_AXES + ("context",)             # [b * t] flattened tokens: batch, then
                                                    # sequence (nn/context_parallel.py)
 
@@ -117,3 +118,20 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 def batch_axis_size(mesh: Mesh) -> int:
   return math.prod(mesh.shape[a] for a in BATCH_AXES)
+
+
+
+def active_mesh():
+  """The mesh set with `jax.set_mesh`, or None (no mesh, or a single device)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or math.prod(mesh.shape.values()) == 1:
+    return None
+  return mesh
+
+
+def axes_dividing(mesh, axes, n: int):
+  """The axes of `axes` present in `mesh` if their product divides n, else None."""
+  axes = tuple(a for a in axes if a in mesh.shape and mesh.shape[a] > 1)
+  if not axes or n % math.prod(mesh.shape[a] for a in axes):
+    return None
+  return axes

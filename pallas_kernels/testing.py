@@ -33,7 +33,7 @@ def _rng(seed: int):
 
 
 def indexer_inputs(seed: int, b: int, t: int, s: int, h_i: int, d_i: int, dtype=jnp.float32):
-  """Random (q [b,t,h_i,d_i], k [b,s,d_i], w [b,t,h_i]) with the scales folded in (spec §2.4).
+  """Random (q [b,t,h_i,d_i], k [b,s,d_i], w [b,t,h_i]), scales folded in (docs/design.md §2.4).
 
   Built with numpy (no XLA compile per input, which dominates tiny CPU tests).
   """

@@ -6,7 +6,6 @@ one (dsa_sparse: top-k attention, LM + MTP + sparse KL), with `context=8` and wi
 all-gathers MLA's latent rows and never per-head keys or values.
 """
 
-import re
 import textwrap
 
 import numpy as np

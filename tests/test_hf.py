@@ -1,9 +1,9 @@
 """Hugging Face interop: parity with transformers' GlmMoeDsaForCausalLM, save/load, errors.
 
 The reference is transformers >= 5.24 on CPU (float32). Tolerance: logits 1e-4
-absolute (spec: an independent float64 port matched HF to 2.6e-6). Top-k sets
-must agree exactly, except rows tied at the k-th place: torch.topk orders exact
-ties differently from our "lower position wins" rule (design.md decision 5).
+absolute (an independent float64 port of docs/design.md §2 matched HF to 2.6e-6).
+Top-k sets must agree exactly, except rows tied at the k-th place: torch.topk orders
+exact ties differently from our "lower position wins" rule (docs/design.md decision 5).
 """
 
 import json

@@ -12,6 +12,7 @@ import pytest
 from glm5_jax import config as config_lib
 from glm5_jax import nn as gnn
 from glm5_jax.nn import kv_cache
+from glm5_jax.nn import layer_stack
 
 
 @pytest.mark.parametrize("overrides", [
@@ -37,7 +38,7 @@ def test_chunked_cached_forward_equals_the_full_forward(overrides, rng):
                              cache_index=idx, return_topk=True)
     return out.logits, out.topk_indices, cache
 
-  cache = kv_cache.init_cache(cfg, nb * bs)
+  cache = layer_stack.init_cache(cfg, nb * bs)
   # Row 0 in chunks of 7 + 5 tokens; row 1 in 4 + 8 (padding in the first chunk of row 0).
   got = np.zeros(want.logits.shape, np.float32)
   for start, n in (([0, 0], [7, 4]), ([7, 4], [5, 8])):
@@ -61,4 +62,4 @@ def test_chunked_cached_forward_equals_the_full_forward(overrides, rng):
 def test_cache_and_cache_index_go_together(tiny_cfg, tiny_params, tiny_tokens):
   with pytest.raises(ValueError, match="cache and cache_index together"):
     gnn.GLM5(tiny_cfg).apply({"params": tiny_params}, tiny_tokens,
-                             cache=kv_cache.init_cache(tiny_cfg, 32))
+                             cache=layer_stack.init_cache(tiny_cfg, 32))

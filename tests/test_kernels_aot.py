@@ -24,7 +24,7 @@ from experiments import kernel_ops  # pylint: disable=g-import-not-at-top
 from glm5_jax import config as config_lib  # pylint: disable=g-import-not-at-top
 from glm5_jax import nn as gnn  # pylint: disable=g-import-not-at-top
 from glm5_jax import sharding as shd  # pylint: disable=g-import-not-at-top
-from glm5_jax.nn import dsa_kernels  # pylint: disable=g-import-not-at-top
+from glm5_jax.nn import dsa  # pylint: disable=g-import-not-at-top
 from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
 from pallas_kernels import roofline  # pylint: disable=g-import-not-at-top
 
@@ -69,7 +69,7 @@ def test_kernels_compile_for_v5e(op, t, v5e):
 
 def test_model_kernel_calls_compile_on_a_sharded_v5e_mesh():
   # Mosaic refuses a kernel with sharded operands ("cannot be automatically partitioned");
-  # glm5_jax.nn.dsa_kernels runs each kernel in shard_map (batch over data, heads over tensor).
+  # glm5_jax.nn.dsa runs each kernel in shard_map (batch over data, heads over tensor).
   devices = np.array(topologies.get_topology_desc("v5e:2x2", "tpu").devices)
   mesh = jax.sharding.Mesh(devices.reshape(2, 1, 1, 1, 2), shd.MESH_AXES)
   b, t = 4, 4096
@@ -83,9 +83,9 @@ def test_model_kernel_calls_compile_on_a_sharded_v5e_mesh():
   wi = jax.ShapeDtypeStruct((b, t, SHAPE["h_i"]), jnp.float32, sharding=named("data"))
 
   def attention_loss(q, kv, qi, ki, wi):
-    idx = dsa_kernels.topk_indices(qi, ki, wi, SHAPE["topk"], impl="pallas", interpret=False,
+    idx = dsa.topk_indices(qi, ki, wi, SHAPE["topk"], impl="pallas", interpret=False,
                                    chunk_size=256)
-    out, _ = dsa_kernels.sparse_mla(q, kv, idx, v_dim=SHAPE["v_dim"], scale=0.04,
+    out, _ = dsa.sparse_mla(q, kv, idx, v_dim=SHAPE["v_dim"], scale=0.04,
                                     impl="pallas", interpret=False, chunk_size=256)
     return jnp.sum(out.astype(jnp.float32))
 

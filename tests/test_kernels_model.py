@@ -1,6 +1,6 @@
 """The tiny GLM-5 with `attention_impl="pallas"` (kernels in interpret mode) equals "xla".
 
-Design.md decision 4: one attention function, several implementations; the
+docs/design.md decision 4: one attention function, several implementations; the
 model must not notice which one runs. The tiny preset selects index_topk=8 of
 24 positions, so the indexer kernel's selection and the sparse-attention
 kernels both decide the result; the top-k indices must be identical, the

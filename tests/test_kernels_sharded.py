@@ -1,4 +1,4 @@
-"""The DSA kernels under a device mesh: `glm5_jax.nn.dsa_kernels` == one device.
+"""The DSA kernels under a device mesh: `glm5_jax.nn.dsa` == one device.
 
 XLA cannot partition a Pallas kernel (on TPU, Mosaic refuses a sharded one), so
 with a mesh set the model calls each kernel inside `shard_map`: batch over the
@@ -17,7 +17,7 @@ from tests import seeding
 _SCRIPT = textwrap.dedent("""
   import jax, jax.numpy as jnp, numpy as np
   from glm5_jax import sharding as shd
-  from glm5_jax.nn import dsa_kernels
+  from glm5_jax.nn import dsa
   from pallas_kernels import lightning_indexer, sparse_attention
   rng = np.random.default_rng(SEED)
   b, t, h, d, v, topk = 4, 40, 4, 24, 16, 12
@@ -30,10 +30,10 @@ _SCRIPT = textwrap.dedent("""
   kw = dict(v_dim=v, scale=d ** -0.5, chunk_size=16)
 
   def run(impl, interpret, backend=None):
-    idx = jax.jit(lambda *a: dsa_kernels.topk_indices(
+    idx = jax.jit(lambda *a: dsa.topk_indices(
         *a, topk, impl=impl, interpret=interpret, chunk_size=16, start=start,
         backend=backend))(qi, ki, wi)
-    f = lambda q, kv: dsa_kernels.sparse_mla(q, kv, idx, impl=impl, interpret=interpret,
+    f = lambda q, kv: dsa.sparse_mla(q, kv, idx, impl=impl, interpret=interpret,
                                              backend=backend, **kw)
     outs, grads = jax.jit(lambda q, kv: (lambda o, vjp: (o, vjp((d_out, d_lse))))(
         *jax.vjp(f, q, kv)))(q, kv)
@@ -46,7 +46,7 @@ _SCRIPT = textwrap.dedent("""
     with jax.set_mesh(shd.make_mesh(sizes)):
       got = run("pallas", True, "gpu")
       if sizes["data"] == 2:   # the kernels really run per shard: no all-gather of q
-        hlo = jax.jit(lambda q, kv, idx: dsa_kernels.sparse_mla(
+        hlo = jax.jit(lambda q, kv, idx: dsa.sparse_mla(
             q, kv, idx, impl="pallas", interpret=True, backend="gpu", **kw)).lower(
                 q, kv, ref[0]).as_text()
         assert "shard_map" in hlo or "sdy.manual_computation" in hlo, hlo[:2000]

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from glm5_jax import config as config_lib
+from glm5_jax.nn import ffn
 from glm5_jax.nn import moe
 
 
@@ -62,7 +63,7 @@ def test_grouped_swiglu_equals_token_loop(rng):
     for j in range(k):
       ex = ids[t, j]
       want[t] += wts[t, j] * ((silu(x[t] @ wg[ex]) * (x[t] @ wu[ex])) @ wd[ex])
-  got, counts = moe.grouped_swiglu(*(jnp.asarray(a, jnp.float32) for a in (x,)), jnp.asarray(ids),
+  got, counts = ffn.grouped_swiglu(*(jnp.asarray(a, jnp.float32) for a in (x,)), jnp.asarray(ids),
                                    *(jnp.asarray(a, jnp.float32) for a in (wts, wg, wu, wd)))
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
   np.testing.assert_array_equal(counts, np.bincount(ids.ravel(), minlength=e))
@@ -89,8 +90,8 @@ def test_gathered_swiglu_equals_grouped_and_token_loop(rng):
   wg, wu, wd = rng.normal(size=(e, d, i)), rng.normal(size=(e, d, i)), rng.normal(size=(e, i, d))
   f32 = lambda a: jnp.asarray(a, jnp.float32)
   args = (f32(x), jnp.asarray(ids, jnp.int32), f32(wts), f32(wg), f32(wu), f32(wd))
-  got, counts = moe.gathered_swiglu(*args)
-  ref, ref_counts = moe.grouped_swiglu(*args)
+  got, counts = ffn.gathered_swiglu(*args)
+  ref, ref_counts = ffn.grouped_swiglu(*args)
   want = _np_swiglu_loop(x, ids, wts, wg, wu, wd)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
@@ -102,10 +103,10 @@ def test_gathered_swiglu_equals_grouped_and_token_loop(rng):
 
 def test_select_dispatch_by_token_count():
   cfg = config_lib.get_preset("tiny")             # E = 8, K = 2; no mesh: no expert parallelism
-  assert moe.select_dispatch(cfg, 1) is moe.gathered_swiglu
-  assert moe.select_dispatch(cfg, 3) is moe.gathered_swiglu
-  assert moe.select_dispatch(cfg, 4) is moe.grouped_swiglu
-  assert moe.select_dispatch(cfg, 64) is moe.grouped_swiglu
+  assert moe.select_dispatch(cfg, 1) is ffn.gathered_swiglu
+  assert moe.select_dispatch(cfg, 3) is ffn.gathered_swiglu
+  assert moe.select_dispatch(cfg, 4) is ffn.grouped_swiglu
+  assert moe.select_dispatch(cfg, 64) is ffn.grouped_swiglu
 
 
 def _moe_and_params(rng, cfg):

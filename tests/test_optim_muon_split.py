@@ -403,9 +403,9 @@ def _sharded_check():
   """Runs under 8 fake CPU devices (see the test below); prints one JSON line of findings."""
   from jax.sharding import NamedSharding, PartitionSpec as P
   assert jax.device_count() == 8, jax.devices()
-  # GSPMD ("Auto") axes, as the jit train steps with in/out shardings use (design.md
-  # decision 2). Under Explicit axes optax's NS reshape of a sharded [h, v, d] `wo` into one
-  # matrix raises a ShardingTypeError asking for an out_sharding.
+  # GSPMD ("Auto") axes, as the jit train steps with in/out shardings use
+  # (docs/design.md decision 2). Under Explicit axes optax's NS reshape of a sharded
+  # [h, v, d] `wo` into one matrix raises a ShardingTypeError asking for an out_sharding.
   auto = (jax.sharding.AxisType.Auto,) * 3
   mesh = jax.make_mesh((2, 2, 2), ("fsdp", "expert", "tensor"), axis_types=auto)
   r, h, k, d, e = 16, 8, 4, 16, 4

@@ -11,7 +11,7 @@ import pytest
 from configs import pretrain
 from glm5_jax.train import loop
 from glm5_jax.train import metrics as metrics_lib
-from glm5_jax.train import stages
+from experiments import main_job_report
 
 
 def _config(**fields):
@@ -83,12 +83,12 @@ def test_summary_of_stages_without_eval_metrics_prints_nan(tmp_path):
       f.write(json.dumps({"step": 1, "loss": 1.0}) + "\n")
   meta = {"train_unigram_entropy_bits_per_token": 4.0,
           "splits": {"train": {"tokens": 10, "bytes": 10}}}
-  s = stages._summarize({n: {} for n in ("pretrain", "dense_baseline", "dsa_warmup",
+  s = main_job_report.summarize({n: {} for n in ("pretrain", "dense_baseline", "dsa_warmup",
                                         "dsa_sparse")},
                         dict.fromkeys(("pretrain", "dense_baseline", "dsa_warmup",
                                        "dsa_sparse"), 1.0), meta, str(tmp_path))
   assert s["dsa_vs_dense_relative_loss_gap"] is None
-  assert "nan" in stages._table(s)
+  assert "nan" in main_job_report.table(s)
 
 
 def test_profile_steps_write_a_trace_of_those_steps(tmp_path):
@@ -123,11 +123,11 @@ def test_summary_reports_grpo_and_the_async_rl_stage(tmp_path):
       f.writelines(json.dumps(m) + "\n" for m in ms)
   meta = {"train_unigram_entropy_bits_per_token": 4.0,
           "splits": {"train": {"tokens": 10, "bytes": 10}}}
-  s = stages._summarize(dict.fromkeys(rows, {}), dict.fromkeys(rows, 1.0), meta, str(tmp_path))
+  s = main_job_report.summarize(dict.fromkeys(rows, {}), dict.fromkeys(rows, 1.0), meta, str(tmp_path))
   assert s["post_training"]["heldout_accuracy_after_grpo"] == 0.625
   assert s["async_rl"] == {
       "heldout_accuracy_before": 0.625, "heldout_accuracy_after": 0.75, "updates": 2,
       "train_rollout_logp_abs_diff_max": 0.0, "topk_mismatches": 0.0,
       "topk_positions_compared": 22.0, "staleness_max": 1.0, "trainer_idle_ratio": 0.2}
   assert ("async RL (2 updates, staleness <= 1): held-out accuracy 0.625 -> 0.750; "
-          "|dlogp| max 0, top-k mismatches 0 of 22") in stages._table(s)
+          "|dlogp| max 0, top-k mismatches 0 of 22") in main_job_report.table(s)

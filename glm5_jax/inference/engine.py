@@ -76,7 +76,7 @@ from glm5_jax import sharding as shd
 from glm5_jax.inference import paging
 from glm5_jax.inference import steps
 from glm5_jax.inference.sampling import SamplingParams
-from glm5_jax.nn import kv_cache
+from glm5_jax.nn import layer_stack
 
 SCHEDULING = ("continuous", "static")
 
@@ -321,7 +321,7 @@ class Engine:
     self._placement = self._shardings(params, rules)
     self.params = self._place(params)
     self._n_stop = 4
-    cache = kv_cache.init_cache(cfg, num_blocks * block_size, with_mtp=speculative)
+    cache = layer_stack.init_cache(cfg, num_blocks * block_size, with_mtp=speculative)
     self._cache = jax.device_put(cache, self._placement["cache"](cache))
     h_last = jnp.zeros((max_batch, cfg.hidden_size), cfg.dtype)
     self._h_last = jax.device_put(h_last, self._placement["rows"])

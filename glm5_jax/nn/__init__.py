@@ -1,4 +1,4 @@
-"""Flax Linen modules of GLM-5 (design.md layout: one concern per file)."""
+"""Flax Linen modules of GLM-5 (docs/design.md §4: one concern per file)."""
 
 from glm5_jax.nn.model import GLM5
 from glm5_jax.nn.model import ModelOutput

@@ -41,7 +41,6 @@ from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.sharding import PartitionSpec as P
 
 from glm5_jax import sharding as shd
-from glm5_jax.nn import dsa_kernels
 
 IMPLS = ("xla", "pallas")
 _SPLASH_BLOCK = 512        # splash tile (a multiple of 128 lanes)
@@ -311,14 +310,13 @@ def dense_attention(q_bthd, k_bshd, v_bshe, *, scale: float, start_bt=None, limi
 
 def _per_shard(kernel, scale, interpret, q, k, v, doc_start):
   """`kernel` inside `jax.shard_map` when a mesh is set (XLA cannot partition a Pallas
-  call): batch over the batch axes, heads over `tensor`, as in nn/dsa_kernels.py."""
-  # pylint: disable=protected-access
+  call): batch over the batch axes, heads over `tensor`, as in nn/dsa.py."""
   call = lambda q, k, v, ds: kernel(q, k, v, scale=scale, doc_start_bt=ds, interpret=interpret)
-  mesh = dsa_kernels._mesh()
+  mesh = shd.active_mesh()
   if mesh is None:
     return call(q, k, v, doc_start)
-  bat = dsa_kernels._axes_dividing(mesh, shd.BATCH_AXES, q.shape[0])
-  spec = P(bat, None, dsa_kernels._axes_dividing(mesh, (dsa_kernels.TENSOR_AXIS,), q.shape[2]))
+  bat = shd.axes_dividing(mesh, shd.BATCH_AXES, q.shape[0])
+  spec = P(bat, None, shd.axes_dividing(mesh, (shd.TENSOR_AXIS,), q.shape[2]))
   return jax.shard_map(call, in_specs=(spec, spec, spec, P(bat)), out_specs=spec,
                        check_vma=False)(q, k, v, doc_start)
 

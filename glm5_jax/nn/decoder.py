@@ -1,4 +1,4 @@
-"""One pre-norm GLM-5 decoder layer (spec §2):
+"""One pre-norm GLM-5 decoder layer (docs/design.md §2):
 
     h = h + MLA_DSA(RMSNorm(h))
     h = h + FFN(RMSNorm(h))          FFN = dense SwiGLU or MoE
@@ -9,6 +9,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 
+from glm5_jax.nn import ffn
 from glm5_jax.nn import mla as mla_lib
 from glm5_jax.nn import moe as moe_lib
 from glm5_jax.nn import norms
@@ -38,7 +39,7 @@ class DecoderLayer(nn.Module):
     if self.moe:
       y, load = moe_lib.MoE(cfg, name="moe")(x)
     else:
-      y, load = moe_lib.MLP(cfg, cfg.intermediate_size, name="mlp")(x), None
+      y, load = ffn.MLP(cfg, cfg.intermediate_size, name="mlp")(x), None
     h_btd = h_btd + y.astype(h_btd.dtype)
     return nn.with_logical_constraint(h_btd, _ACT), indices, kl, load, cache
 

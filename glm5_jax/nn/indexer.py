@@ -1,6 +1,6 @@
 """Lightning indexer of DeepSeek Sparse Attention (DSA), GLM-5 flavour.
 
-Spec §2.4 (DeepSeek-V3.2 paper §2.1):
+docs/design.md §2.4 (DeepSeek-V3.2 paper §2.1):
 
 Steps
   1. q_I = (c_q W_Iq)_j                       [b, t, h_i, d_i]  c_q: MLA's normed q latent
@@ -15,7 +15,7 @@ Steps
      would otherwise size every [b, t, k] buffer by it.
 
 Gradient isolation: x and c_q are `stop_gradient`-ed before the indexer sees
-them, so its parameters learn only from the indexer KL loss (spec §2.5, Megatron
+them, so its parameters learn only from the indexer KL loss (docs/design.md §2.5, Megatron
 `DSAttention.forward` detaches them) and the LM loss never reaches it (top-k
 indices are integers). The indexer runs in float32, as in HF.
 """
@@ -26,7 +26,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from glm5_jax.nn import dsa_kernels
+from glm5_jax.nn import dsa
 from glm5_jax.nn import norms
 from glm5_jax.nn import params as P
 from glm5_jax.nn import rope
@@ -73,7 +73,7 @@ def select_topk(cfg, q, k, w, doc_start=None, limit=None):
   other documents are never selected. limit [t]: last visible key of each query
   (default causal; context parallelism passes each query's natural position).
   """
-  return dsa_kernels.topk_indices(
+  return dsa.topk_indices(
       q, k, w, num_slots(cfg.index_topk, k.shape[1]), impl=cfg.attention_impl,
       interpret=None, chunk_size=cfg.attention_chunk_size,
       start=doc_start, limit=limit)

@@ -50,17 +50,6 @@ def layer_cache(cfg, num_rows: int, has_indexer: bool, lead=()):
   return out
 
 
-def init_cache(cfg, num_rows: int, with_mtp: bool = False):
-  """An empty pool of `num_rows` rows for every decoder layer (and the MTP layer)."""
-  from glm5_jax.nn import layer_stack  # pylint: disable=g-import-not-at-top (layer_stack -> mla -> here)
-  layers = {}
-  for st in layer_stack.layer_stacks(cfg):
-    layers[st.name] = {f"layer_{j}": layer_cache(cfg, num_rows, kind.has_indexer, (st.repeats,))
-                       for j, kind in enumerate(st.block)}
-  mtp = layer_cache(cfg, num_rows, True) if with_mtp and cfg.num_nextn_predict_layers else None
-  return {"layers": layers, "mtp": mtp}
-
-
 def _write_local(pool_nx, rows_btx, write_bt):
   return pool_nx.at[write_bt].set(rows_btx.astype(pool_nx.dtype), mode="drop")
 

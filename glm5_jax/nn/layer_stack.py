@@ -30,6 +30,7 @@ import numpy as np
 
 from glm5_jax.nn import decoder as decoder_lib
 from glm5_jax.nn import indexer as indexer_lib
+from glm5_jax.nn import kv_cache
 
 LAYERS_AXIS = "layers"              # logical name of the stacked axis
 STACK_NAMES = ("dense_layers", "moe_layers")
@@ -182,3 +183,15 @@ def run_stacks(module: nn.Module, cfg, h, cos, sin, doc_start, order, *, with_in
   load = (jnp.concatenate(loads) if loads
           else jnp.zeros((0, cfg.n_routed_experts), jnp.float32))
   return h, jnp.concatenate(kls), load, tuple(topk), (new_cache if cache is not None else None)
+
+
+def init_cache(cfg, num_rows: int, with_mtp: bool = False):
+  """An empty pool of `num_rows` rows for every decoder layer (and the MTP layer)."""
+  layers = {}
+  for st in layer_stacks(cfg):
+    layers[st.name] = {
+        f"layer_{j}": kv_cache.layer_cache(cfg, num_rows, kind.has_indexer, (st.repeats,))
+        for j, kind in enumerate(st.block)}
+  with_mtp = with_mtp and cfg.num_nextn_predict_layers
+  mtp = kv_cache.layer_cache(cfg, num_rows, True) if with_mtp else None
+  return {"layers": layers, "mtp": mtp}

@@ -1,10 +1,10 @@
 """Multi-head Latent Attention (MLA) with DeepSeek Sparse Attention (DSA).
 
-Spec §2.2 (expanded form), §2.3 (absorbed form), §2.4 (indexer top-k).
+docs/design.md §2.2 (expanded form), §2.3 (absorbed form), §2.4 (indexer top-k).
 Notation: b batch, t queries, s keys, h heads, r q_lora, c kv_lora,
 n qk_nope, p qk_rope, v v_head, k top-k slots.
 
-Weights are stored per head (design.md decision 3):
+Weights are stored per head (docs/design.md decision 3):
   wq_b [r, h, n+p]   w_uk [c, h, n]   w_uv [c, h, v]   wo [h, v, d]
 so that Muon Split orthogonalises each head's block on its own.
 
@@ -25,10 +25,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from glm5_jax import losses
 from glm5_jax.nn import attention
 from glm5_jax.nn import context_parallel as cp
-from glm5_jax.nn import dsa_kernels
+from glm5_jax.nn import dsa
 from glm5_jax.nn import indexer as indexer_lib
 from glm5_jax.nn import kv_cache
 from glm5_jax.nn import norms
@@ -93,7 +92,7 @@ def mla_dense_attention(cfg, q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, doc_start
 
 
 def absorb_query(q_nope, q_rope, w_uk):
-  """q~ = [q_nope W_UK^T | q_rope]: [b, t, h, c + p] (spec §2.3)."""
+  """q~ = [q_nope W_UK^T | q_rope]: [b, t, h, c + p] (docs/design.md §2.3)."""
   q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w_uk)
   return jnp.concatenate([q_lat, q_rope.astype(q_lat.dtype)], axis=-1)
 
@@ -117,7 +116,7 @@ def mla_sparse_attention(cfg, q_nope, q_rope, kv, w_uk, w_uv, indices_btk):
   Returns o [b, t, h, v].
   """
   q_abs = absorb_query(q_nope, q_rope, w_uk)
-  u, _ = dsa_kernels.sparse_mla(
+  u, _ = dsa.sparse_mla(
       q_abs, kv, indices_btk, v_dim=cfg.kv_lora_rank, scale=cfg.softmax_scale,
       impl=cfg.attention_impl, interpret=None,
       chunk_size=cfg.attention_chunk_size)
@@ -163,7 +162,7 @@ class MLA(nn.Module):
     wq_b, w_uk, w_uv = wq_b.astype(dt), w_uk.astype(dt), w_uv.astype(dt)
 
     x = x_btd.astype(dt)
-    # Spec gotcha: q_a_layernorm / kv_a_layernorm use eps 1e-6, not rms_norm_eps.
+    # docs/design.md §2 gotcha: q_a_layernorm / kv_a_layernorm use eps 1e-6, not rms_norm_eps.
     c_q = norms.RMSNorm(1e-6, "q_lora", pd, dt, name="q_norm")(x @ wq_a.astype(dt))
     q = jnp.einsum("btr,rhk->bthk", c_q, wq_b)
     q_nope, q_rope = q[..., :n], rope.apply_rope(q[..., n:], cos, sin,
@@ -223,7 +222,7 @@ class MLA(nn.Module):
     kl = None
     if with_indexer_loss and self.has_indexer:
       q_abs = absorb_query(q_nope, q_rope, w_uk)
-      kl_fn = losses.indexer_kl_dense if cfg.attention_type == "dense" else losses.indexer_kl_sparse
+      kl_fn = dsa.indexer_kl_dense if cfg.attention_type == "dense" else dsa.indexer_kl_sparse
       kl = local(lambda qa, qi, wi, st, li, idx, kv_, ki: kl_fn(
           qa, kv_, qi, ki, wi, scale=cfg.softmax_scale, indices=idx,
           chunk_size=cfg.attention_chunk_size, doc_start=st, limit=li),

@@ -119,14 +119,14 @@ class GLM5(nn.Module):
       segment_ids: int32 [b, t] document ids of packed rows (contiguous runs);
         attention and the indexer never cross a document boundary.
       with_indexer_loss: also compute the per-layer indexer KL (dense form for
-        `attention_type="dense"`, sparse form for "sparse"; spec §2.5).
+        `attention_type="dense"`, sparse form for "sparse"; docs/design.md §2.5).
       return_logits: False skips the [b, t, V] logits (use `hidden` with
         `losses.chunked_cross_entropy`).
       return_topk: return each layer's DSA top-k indices.
       mtp: run the MTP steps (default: whenever the config has MTP).
       order: int32 [t], context parallelism's layout (nn/context_parallel.py): entry i of
         every [b, t] input is natural position order[i] of the row. None: natural order.
-      cache, cache_index: a KV pool (`kv_cache.init_cache`) and where this chunk's tokens
+      cache, cache_index: a KV pool (`layer_stack.init_cache`) and where this chunk's tokens
         go (`kv_cache.CacheIndex`; `positions` are then the tokens' absolute positions).
         The decoder layers write their rows and attend over the cached sequence; the MTP
         steps do not run (the engine runs the MTP layer over its own cache with

@@ -1,6 +1,6 @@
-"""Feed-forward blocks: dense SwiGLU and the sigmoid-routed MoE with a shared expert.
+"""The sigmoid-routed MoE with a shared expert (SwiGLU experts: nn/ffn.py).
 
-Spec §2.6 ("noaux_tc", DeepSeek-V3 §2.1.2). Notation: n tokens, d hidden,
+docs/design.md §2.6 ("noaux_tc", DeepSeek-V3 §2.1.2). Notation: n tokens, d hidden,
 E routed experts, K experts per token, I expert width, G groups.
 
 Routing
@@ -11,7 +11,7 @@ Routing
   E_t = top-K of c (ties -> lower expert id)
   g_e = a_e / (sum_{E_t} a + 1e-20) * routed_scaling_factor
 
-Dropless dispatch (design.md decision 7): the n*K (token, expert) pairs are
+Dropless dispatch (docs/design.md decision 7): the n*K (token, expert) pairs are
 sorted by expert and run as grouped matmuls with `jax.lax.ragged_dot`; nothing
 is dropped, there is no capacity factor.
 
@@ -19,10 +19,10 @@ Dispatch by token count (`select_dispatch`, a Python-level choice on static shap
 
   expert-parallel all-to-all active   -> moe_ep.ep_grouped_swiglu  (regardless of n)
     (cfg.expert_dispatch == "all_to_all" and moe_ep.expert_parallel_size() > 1)
-  n*K <  E  (decode, a few tokens)    -> gathered_swiglu
-  n*K >= E  (training, prefill)       -> grouped_swiglu
+  n*K <  E  (decode, a few tokens)    -> ffn.gathered_swiglu
+  n*K >= E  (training, prefill)       -> ffn.grouped_swiglu
 
-`gathered_swiglu` gathers each token's K expert matrices ([n, K, d, I]) and runs
+`ffn.gathered_swiglu` gathers each token's K expert matrices ([n, K, d, I]) and runs
 batched einsums. With fewer (token, expert) pairs than experts it reads at most
 n*K expert matrices instead of all E (weight memory reads dominate at decode
 sizes), and it avoids `ragged_dot`'s slow CPU lowering. Same routing, same
@@ -38,29 +38,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from glm5_jax.nn import ffn
 from glm5_jax.nn import moe_ep
 from glm5_jax.nn import params as P
-
-
-def swiglu(x, w_gate, w_up, w_down):
-  """down(silu(x W_gate) * (x W_up))."""
-  return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
-
-
-class MLP(nn.Module):
-  """Dense SwiGLU FFN (layers < first_k_dense_replace, and the shared expert)."""
-  cfg: "ModelConfig"  # noqa: F821
-  width: int
-  axis: str = "mlp"
-
-  @nn.compact
-  def __call__(self, x_btd):
-    cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
-    d, f, init, pd = cfg.hidden_size, self.width, P.dense_init(self.cfg), cfg.param_dtype
-    w_gate = P.param(self, "w_gate", init, (d, f), ("embed", self.axis), pd)
-    w_up = P.param(self, "w_up", init, (d, f), ("embed", self.axis), pd)
-    w_down = P.param(self, "w_down", init, (f, d), (self.axis, "embed"), pd)
-    return swiglu(x_btd.astype(dt), w_gate.astype(dt), w_up.astype(dt), w_down.astype(dt))
 
 
 def route(cfg, x_nd, router_de, bias_e):
@@ -81,42 +61,6 @@ def route(cfg, x_nd, router_de, bias_e):
   return ids.astype(jnp.int32), weights * cfg.routed_scaling_factor
 
 
-def grouped_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid):
-  """sum_k weights[n,k] * Expert_{ids[n,k]}(x[n]) via sort + ragged_dot (dropless).
-
-  Returns (y [n, d], tokens per expert int32 [E]).
-  """
-  n, k = ids_nk.shape
-  e = w_gate_edi.shape[0]
-  flat_ids = ids_nk.reshape(-1)                                  # [n*K]
-  order = jnp.argsort(flat_ids, stable=True)
-  token_of = order // k                                          # source token of each row
-  xs = x_nd[token_of]                                            # [n*K, d], sorted by expert
-  group_sizes = jnp.bincount(flat_ids, length=e).astype(jnp.int32)
-  h = (jax.nn.silu(jax.lax.ragged_dot(xs, w_gate_edi, group_sizes))
-       * jax.lax.ragged_dot(xs, w_up_edi, group_sizes))
-  ys = jax.lax.ragged_dot(h, w_down_eid, group_sizes)            # [n*K, d]
-  ys = ys * weights_nk.reshape(-1)[order][:, None].astype(ys.dtype)
-  y = jnp.zeros_like(x_nd).at[token_of].add(ys)
-  return y, group_sizes
-
-
-def gathered_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid):
-  """sum_k weights[n,k] * Expert_{ids[n,k]}(x[n]) via a gather of each token's K experts.
-
-  Same contract as `grouped_swiglu`: returns (y [n, d], tokens per expert int32 [E]).
-  Reads n*K expert matrices ([n, K, d, I]); meant for n*K < E (see module docstring).
-  """
-  e = w_gate_edi.shape[0]
-  wg, wu, wd = w_gate_edi[ids_nk], w_up_edi[ids_nk], w_down_eid[ids_nk]    # [n, K, ...]
-  h = (jax.nn.silu(jnp.einsum("nd,nkdi->nki", x_nd, wg))
-       * jnp.einsum("nd,nkdi->nki", x_nd, wu))
-  y_nkd = jnp.einsum("nki,nkid->nkd", h, wd)
-  y = jnp.einsum("nkd,nk->nd", y_nkd, weights_nk.astype(y_nkd.dtype))
-  counts = jnp.bincount(ids_nk.reshape(-1), length=e).astype(jnp.int32)
-  return y, counts
-
-
 def select_dispatch(cfg, n_tokens: int):
   """The routed-expert kernel for n_tokens tokens (static), per the module docstring table.
 
@@ -127,8 +71,8 @@ def select_dispatch(cfg, n_tokens: int):
     return functools.partial(moe_ep.ep_grouped_swiglu,   # all-to-all inside shard_map
                              capacity_factor=cfg.moe_capacity_factor)
   if n_tokens * cfg.num_experts_per_tok < cfg.n_routed_experts:
-    return gathered_swiglu
-  return grouped_swiglu
+    return ffn.gathered_swiglu
+  return ffn.grouped_swiglu
 
 
 class MoE(nn.Module):
@@ -155,7 +99,7 @@ class MoE(nn.Module):
                          w_down.astype(dt))
     y = y.reshape(b, t, d)
     if cfg.n_shared_experts:
-      y = y + MLP(cfg, i * cfg.n_shared_experts, name="shared")(x_btd)
+      y = y + ffn.MLP(cfg, i * cfg.n_shared_experts, name="shared")(x_btd)
     return y, counts.astype(jnp.float32) / (b * t * cfg.num_experts_per_tok)
 
 

@@ -1,4 +1,4 @@
-"""Expert parallelism: dropless all-to-all token dispatch inside `shard_map` (design.md decision 7).
+"""Expert parallelism: dropless all-to-all token dispatch inside `shard_map` (docs/design.md decision 7).
 
 Tokens are split over the batch axes (`data, fsdp, expert`), routed experts over
 `expert` (E / ep per device). On each device:
@@ -13,7 +13,7 @@ Tokens are split over the batch axes (`data, fsdp, expert`), routed experts over
      Transformer): a source sends at most that many pairs to each destination, in token
      order, and the rest are dropped (they add nothing to the output; the router's
      load-balancing keeps c ~ 1.25 nearly dropless). `kept_pairs` says which pairs stay;
-  3. run the local experts with `moe.grouped_swiglu` (sort + `ragged_dot`), padding
+  3. run the local experts with `ffn.grouped_swiglu` (sort + `ragged_dot`), padding
      rows last (ragged_dot leaves rows past sum(group_sizes) at zero);
   4. `all_to_all` the results back and combine them with the routing weights.
 
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from glm5_jax import sharding as shd
-from glm5_jax.nn import moe  # moe imports this module too; used only at call time
+from glm5_jax.nn import ffn
 
 EXPERT_AXIS = "expert"
 
@@ -99,7 +99,7 @@ def _local_dispatch(x_nd, ids_nk, wts_nk, wg, wu, wd, *, capacity_factor: float)
   recv_e = jax.lax.all_to_all(send_e, EXPERT_AXIS, 0, 0).reshape(ep * cap)
   # The local experts on the received rows: one expert per row, weight 1; padding rows
   # (id e_loc) sort last, fall outside every group and come back as zeros.
-  ys, _ = moe.grouped_swiglu(recv_x, recv_e[:, None], jnp.ones((ep * cap, 1), recv_x.dtype),
+  ys, _ = ffn.grouped_swiglu(recv_x, recv_e[:, None], jnp.ones((ep * cap, 1), recv_x.dtype),
                              wg, wu, wd)
   ys = ys.reshape(ep, cap, d)
 
@@ -113,7 +113,7 @@ def _local_dispatch(x_nd, ids_nk, wts_nk, wg, wu, wd, *, capacity_factor: float)
 
 def ep_grouped_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid, *,
                       capacity_factor: float = 0.0):
-  """Same contract as `moe.grouped_swiglu`, with experts sharded over `expert`.
+  """Same contract as `ffn.grouped_swiglu`, with experts sharded over `expert`.
 
   Needs a mesh set with `jax.set_mesh` that has the axes of `sharding.MESH_AXES`.
   `capacity_factor` <= 0: dropless; > 0: per-destination capacity (module docstring).

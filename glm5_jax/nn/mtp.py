@@ -1,4 +1,4 @@
-"""Parameter-shared Multi-Token Prediction (spec §2.7; DeepSeek-V3 §2.2; GLM-5 §1).
+"""Parameter-shared Multi-Token Prediction (docs/design.md §2.7; DeepSeek-V3 §2.2; GLM-5 §2).
 
 One MTP module (HF checkpoint layer `num_hidden_layers`) applied D times with
 the same weights. Step k = 1..D, h^0 = the main model's last hidden state

@@ -1,4 +1,4 @@
-"""RMSNorm and LayerNorm, computed in float32 (spec §2: "All norms compute in fp32")."""
+"""RMSNorm and LayerNorm, computed in float32 (docs/design.md §2: "All norms compute in fp32")."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(nn.Module):
-  """LayerNorm with scale and bias (the indexer's k_norm, spec §2.4)."""
+  """LayerNorm with scale and bias (the indexer's k_norm, docs/design.md §2.4)."""
   eps: float
   axis_name: str = "norm"
   param_dtype: str = "float32"

@@ -1,4 +1,4 @@
-"""Parameter creation with logical axis names (design.md decision 1)."""
+"""Parameter creation with logical axis names (docs/design.md decision 1)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Rotary position embedding: interleaved (GPT-J / DeepSeek) and half-split (NeoX).
 
-Spec §2.1: theta_i = base^(-2i/d); interleaved pairs (x_2i, x_2i+1),
+docs/design.md §2.1: theta_i = base^(-2i/d); interleaved pairs (x_2i, x_2i+1),
 half-split pairs (x_i, x_{i+d/2}); no YaRN, no mscale (GLM-5).
 """
 

@@ -24,8 +24,8 @@ Groups (GLM-5, arXiv 2602.15763, "Muon Split"; Moonlight, Liu et al. 2025, arXiv
               `muon_split()` gives it a zero update; it is labelled "adamw" only so that every
               leaf sits in exactly one of the three groups.
 
-Params are plain (unboxed) pytrees of arrays or `jax.ShapeDtypeStruct`s (design.md
-decision 1); a top-level `params` key is allowed.
+Params are plain (unboxed) pytrees of arrays or `jax.ShapeDtypeStruct`s
+(docs/design.md decision 1); a top-level `params` key is allowed.
 """
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ def path_mask(*names: str, invert: bool = False) -> Callable[[Any], Any]:
 
   Use it for the `frozen` option of `muon_split`:
     dsa_warmup (only the indexer trains): `frozen=path_mask("indexer", invert=True)`
-    rl (the indexer is frozen, glm5_paper_notes.md §1 DSA): `frozen=path_mask("indexer")`
+    rl (the indexer is frozen, docs/design.md decision 16): `frozen=path_mask("indexer")`
   """
   if not names:
     raise ValueError("path_mask(*names): expected at least one key name, got none")

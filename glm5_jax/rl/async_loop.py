@@ -65,7 +65,6 @@ from glm5_jax.rl import policy
 from glm5_jax.rl import rollout_worker as worker_lib
 from glm5_jax.rl import routing
 from glm5_jax.rl import staleness
-from glm5_jax.rl import tasks as tasks_lib
 from glm5_jax.rl import trajectory as traj_lib
 from glm5_jax.rl import weights as weights_lib
 from glm5_jax.train import checkpoint as ckpt_lib
@@ -74,15 +73,6 @@ from glm5_jax.train import preemption
 from glm5_jax.train import step as step_lib
 
 BACKENDS = ("local", "ray")
-
-
-def task_of(r: dict):
-  """The Task of the config's `rl` section (a dict); episodes score with its reward."""
-  try:
-    return tasks_lib.get(r["task"], **dict(r["task_options"]))
-  except ValueError as e:
-    raise ValueError(f"config.rl.task={r['task']!r} with config.rl.task_options="
-                     f"{dict(r['task_options'])}: {e}") from None
 
 
 def validate(c) -> None:
@@ -125,7 +115,7 @@ def validate(c) -> None:
     context_lib.ContextPolicy(**r.context)
   except (TypeError, ValueError) as e:
     raise ValueError(f"config.rl.context={dict(r.context)}: {e}") from None
-  task_of(r.to_dict())
+  worker_lib.task_of(r.to_dict())
   ckpt_lib.check_run_fields(c, ("log_every", "total_steps"))
   if not c.init_from:
     raise ValueError("config.init_from: agentic RL starts from a trained model (an SFT "
@@ -295,7 +285,7 @@ class Trainer:
     self.cfg = cfg.replace(attention_type="sparse")
     ckpt_lib.check_model_config(workdir, self.cfg)
     self.rd = r.to_dict()
-    self.task = task_of(self.rd)
+    self.task = worker_lib.task_of(self.rd)
     self.tok = chat.get_chat_tokenizer(c.data.tokenizer)
     if self.tok.vocab_size > self.cfg.vocab_size:
       raise ValueError(f"config.data.tokenizer={c.data.tokenizer!r} has "

@@ -38,7 +38,17 @@ from glm5_jax.inference import Engine
 from glm5_jax.rl import agent as agent_lib
 from glm5_jax.rl import context as context_lib
 from glm5_jax.rl.grpo import seed_of
+from glm5_jax.rl import tasks as tasks_lib
 from glm5_jax.rl import tools as tools_lib
+
+
+def task_of(r: dict):
+  """The Task of the config's `rl` section (a dict); episodes score with its reward."""
+  try:
+    return tasks_lib.get(r["task"], **dict(r["task_options"]))
+  except ValueError as e:
+    raise ValueError(f"config.rl.task={r['task']!r} with config.rl.task_options="
+                     f"{dict(r['task_options'])}: {e}") from None
 
 
 class ToolRunner:
@@ -157,10 +167,9 @@ class RolloutWorker:
       beats.join()
 
   def _run(self, inbox, outbox, weights, should_stop):
-    from glm5_jax.rl import async_loop  # pylint: disable=g-import-not-at-top
     spec, r = self.spec, self.spec["rl"]
     cfg = config_lib.ModelConfig(**spec["model_config"])
-    task = async_loop.task_of(r)
+    task = task_of(r)
     tok = chat.get_chat_tokenizer(spec["tokenizer"])
     device = None if spec["device"] is None else jax.devices()[spec["device"]]
     while weights.version() < 0:                # nothing published yet

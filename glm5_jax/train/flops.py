@@ -72,7 +72,7 @@ def layer_terms(cfg, seq_len: int, stage: str, *, moe: bool, has_indexer: bool,
   d, r, c, h = cfg.hidden_size, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.num_attention_heads
   n, p, v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
   hi, di = cfg.index_n_heads, cfg.index_head_dim
-  lm = 0 if stage == "dsa_warmup" else 2              # main path: forward only in warm-up
+  lm = 0 if st.trains == "indexer" else 2            # main path: forward only in warm-up
   dense_keys = _visible(seq_len, None, keys)
   topk_keys = _visible(seq_len, cfg.index_topk, keys)
   t = {"mla_proj": (2.0 * (d * r + r * h * (n + p) + d * (c + p) + h * v * d + c * h * (n + v)),
@@ -101,7 +101,7 @@ def flops_terms(cfg, seq_len: int, stage: str = "pretrain",
                 keys: str = "causal") -> dict[str, tuple[float, int]]:
   """{term: (forward FLOPs per token, backward multiplier)} of the whole training step."""
   st = step_lib.get_stage(stage)
-  lm = 0 if stage == "dsa_warmup" else 2
+  lm = 0 if st.trains == "indexer" else 2
   out: dict[str, tuple[float, int]] = {}
 
   def add(prefix, terms, times):

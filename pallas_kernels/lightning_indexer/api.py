@@ -7,21 +7,18 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from pallas_kernels import _backend
 from pallas_kernels.lightning_indexer import reference
 
 IMPLS = ("xla", "pallas")
 
 
 def _check_shapes(q, k, w, topk):
-  if q.ndim != 4 or k.ndim != 3 or w.ndim != 3:
-    raise ValueError(f"topk_indices expects q [b,t,h_i,d_i], k [b,s,d_i], w [b,t,h_i]; got "
-                     f"q{q.shape} k{k.shape} w{w.shape}")
-  b, t, h, d = q.shape
-  if k.shape[0] != b or k.shape[2] != d or w.shape != (b, t, h):
-    raise ValueError(f"topk_indices shape mismatch: q{q.shape} k{k.shape} w{w.shape}")
-  if k.shape[1] < t:
-    raise ValueError(f"topk_indices: s={k.shape[1]} keys < t={t} queries; queries are the "
-                     "last t positions of the key sequence")
+  sizes = _backend.check_axes("topk_indices", q=(q, "b t h_i d_i"), k=(k, "b s d_i"),
+                              w=(w, "b t h_i"))
+  if sizes["s"] < sizes["t"]:
+    raise ValueError(f"topk_indices: s={sizes['s']} keys < t={sizes['t']} queries; queries are "
+                     "the last t positions of the key sequence")
   if not isinstance(topk, int) or topk < 1:
     raise ValueError(f"topk_indices: topk={topk!r}, expected a positive int")
 

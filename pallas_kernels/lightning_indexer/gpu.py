@@ -1,7 +1,7 @@
 """Lightning-indexer scores on GPU (Pallas Triton), one query chunk at a time.
 
-The maths of `reference.index_scores` (DeepSeek-V3.2 paper §2.1 eq. (1), GLM-5
-spec §2.4) and the tiling of `tpu.py`: grid (b, c / tq, s / bk), one [tq, bk]
+The maths of `reference.index_scores` (DeepSeek-V3.2 paper §2.1 eq. (1),
+docs/design.md §2.4) and the tiling of `tpu.py`: grid (b, c / tq, s / bk), one [tq, bk]
 tile per program, h_i matmuls q_j [tq, d] . k^T [d, bk] through ReLU, scaled by
 w[:, j] and summed in float32. Causal-dead tiles write -inf without loading
 q, k or w (Triton refs are pointers: nothing is read that the kernel does not
@@ -32,23 +32,9 @@ NUM_STAGES = 2
 
 def _scores_kernel(q0_ref, q_ref, k_ref, w_ref, o_ref, *, precision):
   qi, ki = pl.program_id(1), pl.program_id(2)
-  n_heads, block_q, _ = q_ref.shape
-  block_k = k_ref.shape[0]
-  live = ki * block_k <= q0_ref[0] + (qi + 1) * block_q - 1
-
-  @pl.when(live)
-  def _compute():
-    k = k_ref[...]                                              # [bk, d]
-    acc = jnp.zeros((block_q, block_k), jnp.float32)
-    for j in range(n_heads):
-      qk = jax.lax.dot_general(q_ref[j], k, (((1,), (1,)), ((), ())), precision=precision,
-                               preferred_element_type=jnp.float32)    # [tq, bk]
-      acc = acc + w_ref[:, j].astype(jnp.float32)[:, None] * jnp.maximum(qk, 0.0)
-    o_ref[...] = acc
-
-  @pl.when(jnp.logical_not(live))
-  def _dead():
-    o_ref[...] = jnp.full(o_ref.shape, -jnp.inf, jnp.float32)
+  live = ki * k_ref.shape[0] <= q0_ref[0] + (qi + 1) * q_ref.shape[1] - 1
+  w_column = lambda j: w_ref[:, j].astype(jnp.float32)[:, None]            # [tq, 1]
+  _backend.index_scores_tile(live, q_ref, k_ref, w_column, o_ref, precision=precision)
 
 
 def index_scores_chunk(q0, q_bjcd, k_bsd, w_bcj, *, block_q: int, block_k: int,

@@ -1,6 +1,6 @@
 """Lightning indexer reference: scores and deterministic causal top-k in plain jnp.
 
-DeepSeek-V3.2 paper §2.1 eq. (1); GLM-5 spec §2.4:
+DeepSeek-V3.2 paper §2.1 eq. (1); docs/design.md §2.4:
 
     I[t, s] = sum_j w[t, j] * ReLU(q[t, j] . k[s])
 
@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels import _backend
 
 
 def index_scores(q_btjd, k_bsd, w_btj):
@@ -77,16 +79,6 @@ def deterministic_topk(scores_bts, limit, topk: int, start_bt=None):
   return idx
 
 
-def _pad_to(x, axis: int, multiple: int):
-  n = x.shape[axis]
-  pad = (-n) % multiple
-  if pad == 0:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, pad)
-  return jnp.pad(x, widths)
-
-
 def topk_indices_reference(q, k, w, topk: int, *, chunk_size: int = 512, start=None,
                            limit=None):
   """Chunked jnp lightning-indexer top-k (the `impl="xla"` path).
@@ -112,13 +104,13 @@ def topk_indices_reference(q, k, w, topk: int, *, chunk_size: int = 512, start=N
   n_chunks = -(-t // c)
   limit = causal_limit(t, s) if limit is None else limit.astype(jnp.int32)
   if limit.ndim == 1:
-    limit = _pad_to(limit, 0, c).reshape(n_chunks, c)
+    limit = _backend.pad_to(limit, 0, c).reshape(n_chunks, c)
   else:                                     # [b, t] -> [n, b, c], like start
-    limit = _pad_to(limit, 1, c).reshape(b, n_chunks, c).swapaxes(0, 1)
-  q_c = _pad_to(q, 1, c).reshape(b, n_chunks, c, *q.shape[2:]).swapaxes(0, 1)
-  w_c = _pad_to(w, 1, c).reshape(b, n_chunks, c, w.shape[-1]).swapaxes(0, 1)
+    limit = _backend.pad_to(limit, 1, c).reshape(b, n_chunks, c).swapaxes(0, 1)
+  q_c = _backend.pad_to(q, 1, c).reshape(b, n_chunks, c, *q.shape[2:]).swapaxes(0, 1)
+  w_c = _backend.pad_to(w, 1, c).reshape(b, n_chunks, c, w.shape[-1]).swapaxes(0, 1)
   start = jnp.zeros((b, t), jnp.int32) if start is None else start.astype(jnp.int32)
-  s_c = _pad_to(start, 1, c).reshape(b, n_chunks, c).swapaxes(0, 1)
+  s_c = _backend.pad_to(start, 1, c).reshape(b, n_chunks, c).swapaxes(0, 1)
 
   def one_chunk(args):
     q_bcjd, w_bcj, limit_c, start_bc = args

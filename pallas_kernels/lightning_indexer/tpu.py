@@ -1,6 +1,6 @@
 """Lightning-indexer scores on TPU (Pallas Mosaic), one query chunk at a time.
 
-DeepSeek-V3.2 paper §2.1 eq. (1), GLM-5 spec §2.4; the maths of
+DeepSeek-V3.2 paper §2.1 eq. (1), docs/design.md §2.4; the maths of
 `reference.index_scores`:
 
     I[t, s] = sum_j w[t, j] * relu(q[t, j] . k[s])
@@ -44,23 +44,9 @@ def _last_live_key_block(q0, qi, block_q: int, block_k: int):
 
 def _scores_kernel(q0_smem, q_ref, k_ref, w_ref, o_ref, *, precision):
   qi, ki = pl.program_id(1), pl.program_id(2)
-  n_heads, block_q, _ = q_ref.shape
-  block_k = k_ref.shape[0]
-  live = ki <= _last_live_key_block(q0_smem[0], qi, block_q, block_k)
-
-  @pl.when(live)
-  def _compute():
-    k = k_ref[...]                                              # [bk, d]
-    acc = jnp.zeros((block_q, block_k), jnp.float32)
-    for j in range(n_heads):
-      qk = jax.lax.dot_general(q_ref[j], k, (((1,), (1,)), ((), ())), precision=precision,
-                               preferred_element_type=jnp.float32)    # [tq, bk]
-      acc = acc + w_ref[:, pl.ds(j, 1)].astype(jnp.float32) * jnp.maximum(qk, 0.0)
-    o_ref[...] = acc
-
-  @pl.when(jnp.logical_not(live))
-  def _dead():
-    o_ref[...] = jnp.full(o_ref.shape, -jnp.inf, jnp.float32)
+  live = ki <= _last_live_key_block(q0_smem[0], qi, q_ref.shape[1], k_ref.shape[0])
+  w_column = lambda j: w_ref[:, pl.ds(j, 1)].astype(jnp.float32)           # [tq, 1]
+  _backend.index_scores_tile(live, q_ref, k_ref, w_column, o_ref, precision=precision)
 
 
 def index_scores_chunk(q0, q_bjcd, k_bsd, w_bcj, *, block_q: int, block_k: int,

@@ -1,19 +1,16 @@
-"""Dispatch for sparse MLA attention (design.md decision 4)."""
+"""Dispatch for sparse MLA attention (docs/design.md decision 4)."""
 
 from __future__ import annotations
 
+from pallas_kernels import _backend
 from pallas_kernels.sparse_attention import reference
 
 IMPLS = ("xla", "pallas")
 
 
 def _check_shapes(q, kv, indices, v_dim):
-  if q.ndim != 4 or kv.ndim != 3 or indices.ndim != 3:
-    raise ValueError(f"sparse_mla expects q [b,t,h,d_qk], kv [b,s,d_qk], indices [b,t,k]; got "
-                     f"q{q.shape} kv{kv.shape} indices{indices.shape}")
-  b, t, _, d = q.shape
-  if kv.shape[0] != b or kv.shape[2] != d or indices.shape[:2] != (b, t):
-    raise ValueError(f"sparse_mla shape mismatch: q{q.shape} kv{kv.shape} indices{indices.shape}")
+  d = _backend.check_axes("sparse_mla", q=(q, "b t h d_qk"), kv=(kv, "b s d_qk"),
+                          indices=(indices, "b t k"))["d_qk"]
   if not 0 < v_dim <= d:
     raise ValueError(f"sparse_mla: v_dim={v_dim}, expected in (0, d_qk={d}]")
 

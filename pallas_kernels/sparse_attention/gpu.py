@@ -1,6 +1,6 @@
 """Sparse MLA attention on GPU (Pallas Triton): forward and backward kernels.
 
-Same maths as `tpu.py` and `reference.sparse_mla_reference` (GLM-5 spec
+Same maths as `tpu.py` and `reference.sparse_mla_reference` (docs/design.md
 §2.3-2.4). Notation: b batch, t queries, s cache rows, h heads (padded to hp),
 k top-k slots (n_kb blocks of bk), d = d_qk, v = v_dim.
 
@@ -82,6 +82,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels import _backend
+from pallas_kernels._backend import nn_dot, nt_dot, tn_dot
 
 try:  # built on private jax modules (written against jax 0.10.2)
   from pallas_kernels.sparse_attention._relaxed_atomic import atomic_add_relaxed
@@ -97,21 +98,6 @@ NUM_WARPS = 8
 FWD_STAGES = 3            # software pipelining of the forward's gathers (H200 sweep)
 BWD_STAGES = 1            # the backward's resident [q_v; do] leaves no room for a 2nd stage
 BWD_CHUNK = 128           # value columns per backward dkv tile (and dq accumulator)
-
-
-def _nt_dot(a, b, precision):
-  return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision,
-                             preferred_element_type=jnp.float32)
-
-
-def _nn_dot(a, b, precision):
-  return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=precision,
-                             preferred_element_type=jnp.float32)
-
-
-def _tn_dot(a, b, precision):
-  return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=precision,
-                             preferred_element_type=jnp.float32)
 
 
 def padded_dims(h: int, d: int, v_dim: int):
@@ -154,10 +140,20 @@ def _scores(q_v, q_t, kv_ref, safe_k, vp, tp, scale, precision):
   stored to shared memory again on every iteration (64 KiB per block at GLM-5).
   """
   rows_v = kv_ref[safe_k, pl.ds(0, vp)]
-  s = _nt_dot(q_v, rows_v, precision)
+  s = nt_dot(q_v, rows_v, precision)
   if tp:
-    s = s + _nt_dot(q_t, kv_ref[safe_k, pl.ds(vp, tp)], precision)
+    s = s + nt_dot(q_t, kv_ref[safe_k, pl.ds(vp, tp)], precision)
   return s * scale, rows_v
+
+
+def _per_query(*shape):
+  """BlockSpec of one query's [*shape] block of a [b, t, *shape] operand, grid (b, t)."""
+  return pl.BlockSpec((None, None) + shape, lambda i, j: (i, j) + (0,) * len(shape))
+
+
+def _per_batch(*shape):
+  """BlockSpec of a batch element's whole [*shape] block of a [b, *shape] operand."""
+  return pl.BlockSpec((None,) + shape, lambda i, j: (i,) + (0,) * len(shape))
 
 
 # --------------------------------------------------------------------------- forward
@@ -181,7 +177,7 @@ def _fwd_kernel(nlive_ref, idx_ref, q_ref, kv_ref, out_ref, lse_ref, *, scale, v
     alpha = jnp.exp(m_prev - m_safe)
     p = jnp.exp(s - m_safe[:, None])
     l_new = alpha * l_prev + jnp.sum(p, axis=1)
-    acc = alpha[:, None] * acc + _nn_dot(p.astype(rows_v.dtype), rows_v, precision)
+    acc = alpha[:, None] * acc + nn_dot(p.astype(rows_v.dtype), rows_v, precision)
     return m_new, l_new, acc
 
   init = (jnp.full((hp,), -jnp.inf, jnp.float32), jnp.zeros((hp,), jnp.float32),
@@ -209,8 +205,6 @@ def sparse_mla_fwd(q, kv, idx_btk, nlive_bt1, *, v_dim, scale, block_k, interpre
     out [b, t, hp, vp] (q.dtype), lse [b, t, hp] float32.
   """
   b, t, hp, dp = q.shape
-  s = kv.shape[1]
-  k_pad = idx_btk.shape[-1]
   vp = _backend.next_pow2(v_dim, MIN_DIM)
   tp = dp - vp
   kernel = functools.partial(_fwd_kernel, scale=scale, vp=vp, tp=tp, block_k=block_k,
@@ -218,14 +212,9 @@ def sparse_mla_fwd(q, kv, idx_btk, nlive_bt1, *, v_dim, scale, block_k, interpre
   return pl.pallas_call(
       kernel,
       grid=(b, t),
-      in_specs=[
-          pl.BlockSpec((None, None, 1), lambda i, j: (i, j, 0)),
-          pl.BlockSpec((None, None, k_pad), lambda i, j: (i, j, 0)),
-          pl.BlockSpec((None, None, hp, dp), lambda i, j: (i, j, 0, 0)),
-          pl.BlockSpec((None, s, dp), lambda i, j: (i, 0, 0)),
-      ],
-      out_specs=[pl.BlockSpec((None, None, hp, vp), lambda i, j: (i, j, 0, 0)),
-                 pl.BlockSpec((None, None, hp), lambda i, j: (i, j, 0))],
+      in_specs=[_per_query(1), _per_query(idx_btk.shape[-1]), _per_query(hp, dp),
+                _per_batch(kv.shape[1], dp)],
+      out_specs=[_per_query(hp, vp), _per_query(hp)],
       out_shape=[jax.ShapeDtypeStruct((b, t, hp, vp), q.dtype),
                  jax.ShapeDtypeStruct((b, t, hp), jnp.float32)],
       compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
@@ -257,10 +246,10 @@ def _dot_sum(dots):
 
 def _bwd_scores(qdo, q_t, kv_v, kv_t, precision):
   """s (value + tail part, unscaled) and dp, [hp, bk] each, from one M = 2hp matmul chain."""
-  s, dp_ = jnp.split(_dot_sum([_nt_dot(a, r, precision) for a, r in zip(qdo, kv_v)]), 2,
+  s, dp_ = jnp.split(_dot_sum([nt_dot(a, r, precision) for a, r in zip(qdo, kv_v)]), 2,
                      axis=0)                       # [q_v; do] . rows_v^T = [s_v; dp]
   if q_t is not None:
-    s = s + _nt_dot(q_t, kv_t, precision)
+    s = s + nt_dot(q_t, kv_t, precision)
   return s, dp_
 
 
@@ -274,12 +263,12 @@ def _bwd_dkv(dkv_ref, qdo, q_t, ds, p, dest, *, vp, precision):
   dsp = _stack_rows(ds, p.astype(ds.dtype))                         # [2hp, bk]
   for i, a in enumerate(qdo):                                        # [chunk, bk] = a^T . dsp
     atomic_add_relaxed(dkv_ref, (jnp.broadcast_to(dest, (chunk, bk)), col + i * chunk),
-                       _tn_dot(a, dsp, precision))
+                       tn_dot(a, dsp, precision))
   if q_t is not None:
     tp = q_t.shape[1]
     col_t = jax.lax.broadcasted_iota(jnp.int32, (tp, bk), 0) + vp
     atomic_add_relaxed(dkv_ref, (jnp.broadcast_to(dest, (tp, bk)), col_t),
-                       _tn_dot(q_t, ds, precision))                 # [tp, bk]
+                       tn_dot(q_t, ds, precision))                  # [tp, bk]
 
 
 def _bwd_kernel(nlive_ref, idx_ref, qdo_ref, q_ref, kv_ref, lse_ref, delta_ref, dkv_in_ref,
@@ -302,7 +291,7 @@ def _bwd_kernel(nlive_ref, idx_ref, qdo_ref, q_ref, kv_ref, lse_ref, delta_ref, 
     ds = (p * (dp_ - delta[:, None]) * scale).astype(qdo_ref.dtype)         # scale folded in
     # dq first: after the rows' last use, the dkv tiles reuse their shared memory (the
     # other order needs 32 KiB more, 253,952 B at GLM-5 shapes).
-    dq = tuple(acc + _nn_dot(ds, r, precision) for acc, r in zip(dq, rows))
+    dq = tuple(acc + nn_dot(ds, r, precision) for acc, r in zip(dq, rows))
     dest = jnp.where(valid, idx_k, trash_row)[None, :]                      # [1, bk]
     _bwd_dkv(dkv_ref, qdo, q_t, ds, p, dest, vp=vp, precision=precision)
     return dq
@@ -329,7 +318,6 @@ def sparse_mla_bwd(q, kv, idx_btk, nlive_bt1, do, lse_bth, delta_bth, *, v_dim, 
   """
   b, t, hp, dp = q.shape
   s = kv.shape[1]
-  k_pad = idx_btk.shape[-1]
   vp = _backend.next_pow2(v_dim, MIN_DIM)
   tp = dp - vp
   qdo = stack_q_do(q, do, vp)
@@ -340,18 +328,10 @@ def sparse_mla_bwd(q, kv, idx_btk, nlive_bt1, do, lse_bth, delta_bth, *, v_dim, 
   dq, dkv = pl.pallas_call(
       kernel,
       grid=(b, t),
-      in_specs=[
-          pl.BlockSpec((None, None, 1), lambda i, j: (i, j, 0)),
-          pl.BlockSpec((None, None, k_pad), lambda i, j: (i, j, 0)),
-          pl.BlockSpec((None, None, 2 * hp, vp), lambda i, j: (i, j, 0, 0)),
-          pl.BlockSpec((None, None, hp, dp), lambda i, j: (i, j, 0, 0)),
-          pl.BlockSpec((None, s, dp), lambda i, j: (i, 0, 0)),
-          pl.BlockSpec((None, None, hp), lambda i, j: (i, j, 0)),
-          pl.BlockSpec((None, None, hp), lambda i, j: (i, j, 0)),
-          pl.BlockSpec((None, s + 1, dp), lambda i, j: (i, 0, 0)),
-      ],
-      out_specs=[pl.BlockSpec((None, None, hp, dp), lambda i, j: (i, j, 0, 0)),
-                 pl.BlockSpec((None, s + 1, dp), lambda i, j: (i, 0, 0))],
+      in_specs=[_per_query(1), _per_query(idx_btk.shape[-1]), _per_query(2 * hp, vp),
+                _per_query(hp, dp), _per_batch(s, dp), _per_query(hp), _per_query(hp),
+                _per_batch(s + 1, dp)],
+      out_specs=[_per_query(hp, dp), _per_batch(s + 1, dp)],
       out_shape=[jax.ShapeDtypeStruct((b, t, hp, dp), q.dtype),
                  jax.ShapeDtypeStruct((b, s + 1, dp), jnp.float32)],
       input_output_aliases={7: 1},

@@ -1,6 +1,6 @@
 """Sparse MLA attention reference (absorbed / MQA form) in plain jnp.
 
-GLM-5 spec §2.3 with the DSA top-k of §2.4; the contract of DeepSeek's
+docs/design.md §2.3 with the DSA top-k of §2.4; the contract of DeepSeek's
 FlashMLA sparse kernels. Per query t and head h, over the selected rows
 S_t = indices[t] (-1 = empty slot) of the shared cache `kv = [c_kv | k_rope]`:
 
@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels import _backend
 
 
 def _gather_rows(kv_bsd, idx_bck):
@@ -48,15 +50,6 @@ def _attend_chunk(q_bchd, kv_bsd, idx_bck, v_dim: int, scale: float, dtype=None)
   return out.astype(q_bchd.dtype), lse_bch
 
 
-def _pad_to(x, axis: int, multiple: int, value=0):
-  pad = (-x.shape[axis]) % multiple
-  if pad == 0:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, pad)
-  return jnp.pad(x, widths, constant_values=value)
-
-
 def sparse_mla_reference(q, kv, indices, *, v_dim: int, scale: float, chunk_size: int = 256):
   """Chunked jnp sparse MLA attention (the `impl="xla"` path).
 
@@ -74,8 +67,8 @@ def sparse_mla_reference(q, kv, indices, *, v_dim: int, scale: float, chunk_size
   b, t, h, d = q.shape
   c = max(1, min(chunk_size, t))
   n = -(-t // c)
-  q_c = _pad_to(q, 1, c).reshape(b, n, c, h, d).swapaxes(0, 1)
-  i_c = _pad_to(indices, 1, c, value=-1).reshape(b, n, c, -1).swapaxes(0, 1)
+  q_c = _backend.pad_to(q, 1, c).reshape(b, n, c, h, d).swapaxes(0, 1)
+  i_c = _backend.pad_to(indices, 1, c, value=-1).reshape(b, n, c, -1).swapaxes(0, 1)
 
   # The chunks gather from a float32 view of kv, so kv's gradient (a scatter-add over every
   # query that selected a row, summed across chunks) accumulates in float32; in bfloat16 it

@@ -1,6 +1,6 @@
 """Sparse MLA attention on TPU (Pallas Mosaic): forward and backward kernels.
 
-Absorbed-MLA (MQA) attention over gathered top-k rows, GLM-5 spec §2.3-2.4;
+Absorbed-MLA (MQA) attention over gathered top-k rows, docs/design.md §2.3-2.4;
 the maths of `reference.sparse_mla_reference`. Notation: b batch, t queries,
 s cache rows, h heads, k top-k slots (padded to n_kb blocks of bk), d = d_qk,
 v = v_dim.
@@ -66,27 +66,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import _backend
+from pallas_kernels._backend import nn_dot, nt_dot, tn_dot
 
 DEFAULT_BLOCK_K = 128      # gathered rows per grid step (a 128-wide MXU tile)
 _LANES = 128               # m and l scratch are [h, 128], replicated across lanes
-
-
-def _nt_dot(a, b, precision):
-  """a [m, c] . b [n, c]^T -> [m, n] float32."""
-  return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision,
-                             preferred_element_type=jnp.float32)
-
-
-def _nn_dot(a, b, precision):
-  """a [m, c] . b [c, n] -> [m, n] float32."""
-  return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=precision,
-                             preferred_element_type=jnp.float32)
-
-
-def _tn_dot(a, b, precision):
-  """a [c, m]^T . b [c, n] -> [m, n] float32."""
-  return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=precision,
-                             preferred_element_type=jnp.float32)
 
 
 def _row_copy(src_hbm, bi, row, dst_vmem, r, sem):
@@ -127,21 +110,15 @@ def _gather_rows(idx_smem, kb, kv_hbm, bi, buf, slot, sem, *, start: bool):
   jax.lax.fori_loop(0, block_k, one, 0)
 
 
-# --------------------------------------------------------------------------- forward
+def _start_fetches(idx_smem, idx_vmem, kv_hbm, rows_buf, sem):
+  """Prologue of both kernels -> (bi, kb, n_live, slot).
 
-
-def _fwd_kernel(idx_smem, idx_vmem, q_ref, kv_hbm, out_ref, lse_ref,
-                rows_buf, sem, m_ref, l_ref, acc_ref, *, scale, v_dim, precision):
+  Starts the row DMAs of block 0 at kb == 0, and of block kb + 1 into the other
+  slot while block kb is computed (blocks past n_live are not fetched).
+  """
   bi, kb = pl.program_id(0), pl.program_id(2)
-  n_kb = pl.num_programs(2)
   n_live = _live_blocks(idx_vmem)
   slot = jax.lax.rem(kb, 2)
-
-  @pl.when(kb == 0)
-  def _init():
-    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
   @pl.when((kb == 0) & (n_live > 0))
   def _first_fetch():
@@ -151,12 +128,47 @@ def _fwd_kernel(idx_smem, idx_vmem, q_ref, kv_hbm, out_ref, lse_ref,
   def _prefetch_next():
     _gather_rows(idx_smem, kb + 1, kv_hbm, bi, rows_buf, 1 - slot, sem, start=True)
 
+  return bi, kb, n_live, slot
+
+
+def _per_query(*shape):
+  """BlockSpec of one query's [*shape] block of a [b, t, *shape] operand, grid (b, t, n_kb)."""
+  return pl.BlockSpec((None, None) + shape, lambda i, j, k: (i, j) + (0,) * len(shape))
+
+
+def _gather_operands(q, kv, idx_bgnk):
+  """(in_specs, scratch_shapes) that both kernels start with.
+
+  in_specs: the query's index block in SMEM and in VMEM, q [h, d], kv left in HBM;
+  scratch: two VMEM slots of bk gathered rows [2, bk, d] and their DMA semaphores.
+  """
+  _, _, h, d = q.shape
+  _, _, n_kb, block_k = idx_bgnk.shape
+  in_specs = [pl.BlockSpec((None, None, n_kb, block_k), lambda i, j, k: (i, j, 0, 0),
+                           memory_space=pltpu.SMEM),
+              _per_query(n_kb, block_k), _per_query(h, d), pl.BlockSpec(memory_space=pl.ANY)]
+  return in_specs, [pltpu.VMEM((2, block_k, d), kv.dtype), pltpu.SemaphoreType.DMA((2,))]
+
+
+# --------------------------------------------------------------------------- forward
+
+
+def _fwd_kernel(idx_smem, idx_vmem, q_ref, kv_hbm, out_ref, lse_ref,
+                rows_buf, sem, m_ref, l_ref, acc_ref, *, scale, v_dim, precision):
+  @pl.when(pl.program_id(2) == 0)
+  def _init():
+    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+  bi, kb, n_live, slot = _start_fetches(idx_smem, idx_vmem, kv_hbm, rows_buf, sem)
+
   @pl.when(kb < n_live)
   def _compute():
     _gather_rows(idx_smem, kb, kv_hbm, bi, rows_buf, slot, sem, start=False)
     rows = rows_buf[slot].astype(q_ref.dtype)                  # [bk, d]
     valid = idx_vmem[pl.ds(kb, 1), :] >= 0                     # [1, bk]
-    s = _nt_dot(q_ref[...], rows, precision) * scale           # [h, bk]
+    s = nt_dot(q_ref[...], rows, precision) * scale            # [h, bk]
     s = jnp.where(valid, s, -jnp.inf)
     m_prev = m_ref[...]                                        # [h, 128]
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -165,10 +177,10 @@ def _fwd_kernel(idx_smem, idx_vmem, q_ref, kv_hbm, out_ref, lse_ref,
     p = jnp.exp(s - m_safe[:, :1])                             # [h, bk], 0 on empty slots
     l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
     m_ref[...] = m_new
-    pv = _nn_dot(p.astype(rows.dtype), rows[:, :v_dim], precision)
+    pv = nn_dot(p.astype(rows.dtype), rows[:, :v_dim], precision)
     acc_ref[...] = alpha[:, :1] * acc_ref[...] + pv
 
-  @pl.when(kb == n_kb - 1)
+  @pl.when(kb == pl.num_programs(2) - 1)
   def _finish():
     l = l_ref[...]                                             # [h, 128], lanes equal
     has = l > 0.0
@@ -191,27 +203,18 @@ def sparse_mla_fwd(q, kv, idx_bgnk, *, v_dim, scale, interpret=False):
   Returns:
     out [b, t, h, v] (q.dtype), lse [b, t, 1, h] float32.
   """
-  b, t, h, d = q.shape
-  _, _, n_kb, block_k = idx_bgnk.shape
+  b, t, h, _ = q.shape
   kernel = functools.partial(_fwd_kernel, scale=scale, v_dim=v_dim,
                              precision=_backend.dot_precision(q.dtype))
-  per_query = lambda shape: pl.BlockSpec((None, None) + shape, lambda i, j, k: (i, j, 0, 0))
+  in_specs, scratch = _gather_operands(q, kv, idx_bgnk)
   return pl.pallas_call(
       kernel,
-      grid=(b, t, n_kb),
-      in_specs=[
-          pl.BlockSpec((None, None, n_kb, block_k), lambda i, j, k: (i, j, 0, 0),
-                       memory_space=pltpu.SMEM),
-          per_query((n_kb, block_k)),
-          per_query((h, d)),
-          pl.BlockSpec(memory_space=pl.ANY),
-      ],
-      out_specs=[per_query((h, v_dim)), per_query((1, h))],
+      grid=(b, t, idx_bgnk.shape[2]),
+      in_specs=in_specs,
+      out_specs=[_per_query(h, v_dim), _per_query(1, h)],
       out_shape=[jax.ShapeDtypeStruct((b, t, h, v_dim), q.dtype),
                  jax.ShapeDtypeStruct((b, t, 1, h), jnp.float32)],
-      scratch_shapes=[
-          pltpu.VMEM((2, block_k, d), kv.dtype),
-          pltpu.SemaphoreType.DMA((2,)),
+      scratch_shapes=scratch + [
           pltpu.VMEM((h, _LANES), jnp.float32),
           pltpu.VMEM((h, _LANES), jnp.float32),
           pltpu.VMEM((h, v_dim), jnp.float32),
@@ -230,23 +233,13 @@ def _bwd_kernel(idx_smem, idx_vmem, q_ref, kv_hbm, do_ref, lse_ref, delta_ref, d
                 dq_ref, dkv_hbm, rows_buf, sem, dkv_buf, dsem, dq_acc, *, scale, v_dim,
                 precision):
   del dkv_in_hbm  # aliased with dkv_hbm
-  bi, kb = pl.program_id(0), pl.program_id(2)
-  n_kb = pl.num_programs(2)
-  n_live = _live_blocks(idx_vmem)
   block_k = rows_buf.shape[1]
-  slot = jax.lax.rem(kb, 2)
 
-  @pl.when(kb == 0)
+  @pl.when(pl.program_id(2) == 0)
   def _init():
     dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
 
-  @pl.when((kb == 0) & (n_live > 0))
-  def _first_fetch():
-    _gather_rows(idx_smem, 0, kv_hbm, bi, rows_buf, 0, sem, start=True)
-
-  @pl.when(kb + 1 < n_live)
-  def _prefetch_next():
-    _gather_rows(idx_smem, kb + 1, kv_hbm, bi, rows_buf, 1 - slot, sem, start=True)
+  bi, kb, n_live, slot = _start_fetches(idx_smem, idx_vmem, kv_hbm, rows_buf, sem)
 
   def dkv_rows(op):
     """Start ("read" / "write") or wait for the dkv row DMAs of the valid slots of block kb."""
@@ -276,21 +269,21 @@ def _bwd_kernel(idx_smem, idx_vmem, q_ref, kv_hbm, do_ref, lse_ref, delta_ref, d
     do = do_ref[...]                                           # [h, v]
     row = idx_vmem[pl.ds(kb, 1), :]                            # [1, bk]
     valid = row >= 0
-    s = _nt_dot(q, rows, precision) * scale                    # [h, bk]
+    s = nt_dot(q, rows, precision) * scale                     # [h, bk]
     p = jnp.where(valid, jnp.exp(s - _row_to_column(lse_ref[...])), 0.0)
-    dp = _nt_dot(do, rows[:, :v_dim], precision)               # [h, bk]
+    dp = nt_dot(do, rows[:, :v_dim], precision)                # [h, bk]
     ds = p * (dp - _row_to_column(delta_ref[...]))             # [h, bk]
     ds_c = ds.astype(rows.dtype)
-    dq_acc[...] += _nn_dot(ds_c, rows, precision) * scale
-    d_rows = _tn_dot(ds_c, q, precision) * scale               # [bk, d]
-    d_rows_v = _tn_dot(p.astype(do.dtype), do, precision)      # [bk, v]
+    dq_acc[...] += nn_dot(ds_c, rows, precision) * scale
+    d_rows = tn_dot(ds_c, q, precision) * scale                # [bk, d]
+    d_rows_v = tn_dot(p.astype(do.dtype), do, precision)       # [bk, v]
     # Sum the contributions of slots that name the same row (duplicates) so that
     # each of their read-modify-writes stores the same total.
     rows_bk = jnp.broadcast_to(row, (block_k, block_k))        # [bk, bk]: [i, j] = row[j]
     same = ((rows_bk.T == rows_bk) & valid).astype(jnp.float32)
     has_dup = jnp.sum(same) > jnp.sum(valid.astype(jnp.float32))
     sum_dups = lambda x: jax.lax.cond(
-        has_dup, lambda y: _nn_dot(same, y, jax.lax.Precision.HIGHEST), lambda y: y, x)
+        has_dup, lambda y: nn_dot(same, y, jax.lax.Precision.HIGHEST), lambda y: y, x)
     d_rows, d_rows_v = sum_dups(d_rows), sum_dups(d_rows_v)
     dkv_rows("wait_read")
     dkv_buf[...] = dkv_buf[...] + d_rows
@@ -298,7 +291,7 @@ def _bwd_kernel(idx_smem, idx_vmem, q_ref, kv_hbm, do_ref, lse_ref, delta_ref, d
     dkv_rows("write")
     dkv_rows("wait_write")
 
-  @pl.when(kb == n_kb - 1)
+  @pl.when(kb == pl.num_programs(2) - 1)
   def _finish():
     dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
 
@@ -321,28 +314,17 @@ def sparse_mla_bwd(q, kv, idx_bgnk, do, lse_bt1h, delta_bt1h, *, v_dim, scale,
   _, _, n_kb, block_k = idx_bgnk.shape
   kernel = functools.partial(_bwd_kernel, scale=scale, v_dim=v_dim,
                              precision=_backend.dot_precision(q.dtype))
-  per_query = lambda shape: pl.BlockSpec((None, None) + shape, lambda i, j, k: (i, j, 0, 0))
+  in_specs, scratch = _gather_operands(q, kv, idx_bgnk)
   dkv0 = jnp.zeros((b, s, d), jnp.float32)
   return pl.pallas_call(
       kernel,
       grid=(b, t, n_kb),
-      in_specs=[
-          pl.BlockSpec((None, None, n_kb, block_k), lambda i, j, k: (i, j, 0, 0),
-                       memory_space=pltpu.SMEM),
-          per_query((n_kb, block_k)),
-          per_query((h, d)),
-          pl.BlockSpec(memory_space=pl.ANY),
-          per_query((h, v_dim)),
-          per_query((1, h)),
-          per_query((1, h)),
-          pl.BlockSpec(memory_space=pl.ANY),
-      ],
-      out_specs=[per_query((h, d)), pl.BlockSpec(memory_space=pl.ANY)],
+      in_specs=in_specs + [_per_query(h, v_dim), _per_query(1, h), _per_query(1, h),
+                           pl.BlockSpec(memory_space=pl.ANY)],
+      out_specs=[_per_query(h, d), pl.BlockSpec(memory_space=pl.ANY)],
       out_shape=[jax.ShapeDtypeStruct((b, t, h, d), q.dtype),
                  jax.ShapeDtypeStruct((b, s, d), jnp.float32)],
-      scratch_shapes=[
-          pltpu.VMEM((2, block_k, d), kv.dtype),
-          pltpu.SemaphoreType.DMA((2,)),
+      scratch_shapes=scratch + [
           pltpu.VMEM((block_k, d), jnp.float32),
           pltpu.SemaphoreType.DMA(()),
           pltpu.VMEM((h, d), jnp.float32),

@@ -1,136 +1,17 @@
-"""The paper's stage sequence, small: pretrain -> DSA dense warm-up -> DSA sparse adaptation
--> SFT -> reasoning RL (GRPO + IcePop) -> asynchronous RL.
-
-Each stage runs in its own sub-workdir and starts from the previous stage's parameters
-(`init_from`). A dense continuation of the pretrained model for as many steps as the sparse
-adaptation is the baseline of our small-scale "DSA ~ MLA" comparison (GLM-5 paper §2, DSA
-table). Post-training (§3) writes SFT conversations for `post.task`, fine-tunes on them
-(`stage="sft"`) and runs synchronous GRPO on the same task (`glm5_jax.rl.grpo`), measuring
-held-out accuracy (greedy) after SFT and after GRPO; then `post.rl_async` continues from
-GRPO's weights on the fully asynchronous loop (`glm5_jax.rl.async_loop`, a rollout worker on
-its own device). A stage already finished is read back, not run again.
-
-Preemption (train/preemption.py): SIGTERM stops the running stage at a checkpoint and ends
-the job (exit 0) before any later stage; the rerun resumes that stage and continues, so the
-summary is the uninterrupted job's.
-"""
+"""The main job's summary: a table of held-out metrics per stage, summary.json and a PNG."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
-import time
 
-from absl import logging
-
-from glm5_jax.data import corpus
-from glm5_jax.rl import async_loop
-from glm5_jax.rl import grpo
-from glm5_jax.rl import tasks
-from glm5_jax.train import loop
 from glm5_jax.train import metrics as metrics_lib
 
 
-def _stage_config(base, stage: str, steps: int, init_from: str, lr: float, warmup: int):
-  c = base.copy_and_resolve_references()
-  with c.unlocked():
-    c.stage = stage
-    c.total_steps = steps
-    c.init_from = init_from
-    c.learning_rate = lr
-    c.warmup_steps = warmup
-    c.eval_every = min(c.eval_every, steps)
-    c.checkpoint_every = steps
-  return c
-
-
-def _read_metrics(workdir: str) -> list[dict]:
+def read_metrics(workdir: str) -> list[dict]:
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     return [json.loads(line) for line in f]
-
-
-def _sft_config(c, workdir: str):
-  p = c.post
-  sc = _stage_config(c, "sft", p.sft_steps, os.path.join(workdir, "dsa_sparse"),
-                     p.sft_learning_rate, p.sft_warmup_steps)
-  with sc.unlocked():
-    sc.eval_every = p.sft_steps                     # held-out loss once, at the end
-    sc.data.sources = os.path.join(workdir, "sft_data", f"{p.task}.jsonl")
-    sc.data.dir = os.path.join(workdir, "sft_data", "prepared")
-    sc.data.val_fraction = 0.02
-  return sc
-
-
-def _rl_config(c, section, init_from: str):
-  """The RL stage config `section` (c.post.rl, c.post.rl_async) on the job's task, from
-  `init_from`."""
-  rc = section.copy_and_resolve_references()
-  with rc.unlocked():
-    rc.init_from = init_from
-    rc.seed = c.seed
-    rc.data.tokenizer = c.data.tokenizer
-    rc.rl.task = c.post.task
-    rc.rl.task_options = c.post.task_options
-  return rc
-
-
-def _write_sft_data(c, workdir: str) -> str:
-  path = os.path.join(workdir, "sft_data", f"{c.post.task}.jsonl")
-  if not os.path.exists(path):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    task = tasks.get(c.post.task, **dict(c.post.task_options))
-    task.write_sft(path + ".tmp", c.post.sft_conversations, c.seed)
-    os.replace(path + ".tmp", path)
-  return path
-
-
-def run_all(c, workdir: str) -> dict:
-  """Runs every stage in `workdir/{pretrain,dense_baseline,dsa_warmup,dsa_sparse,sft,grpo,
-  rl_async}`."""
-  s = c.stages
-  plan = [
-      ("pretrain", "pretrain", s.pretrain_steps, "", c.learning_rate, c.warmup_steps),
-      ("dense_baseline", "pretrain", s.sparse_steps, "pretrain", s.adapt_learning_rate, 0),
-      ("dsa_warmup", "dsa_warmup", s.warmup_steps, "pretrain", s.warmup_learning_rate, 5),
-      ("dsa_sparse", "dsa_sparse", s.sparse_steps, "dsa_warmup", s.adapt_learning_rate, 0),
-  ]
-  results, timings = {}, {}
-  for name, stage, steps, parent, lr, warm in plan:
-    sub = os.path.join(workdir, name)
-    init = os.path.join(workdir, parent) if parent else ""
-    t0 = time.perf_counter()
-    logging.info("=== %s: %s for %d steps%s", name, stage, steps, f" from {parent}" if parent else "")
-    results[name] = loop.run(_stage_config(c, stage, steps, init, lr, warm), sub)
-    timings[name] = time.perf_counter() - t0
-  if c.post.enabled:
-    t0 = time.perf_counter()
-    _write_sft_data(c, workdir)
-    logging.info("=== sft: %d steps on %s conversations from dsa_sparse", c.post.sft_steps,
-                 c.post.task)
-    results["sft"] = loop.run(_sft_config(c, workdir), os.path.join(workdir, "sft"))
-    timings["sft"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    logging.info("=== grpo: %d steps on %s from sft", c.post.rl.total_steps, c.post.task)
-    results["grpo"] = grpo.run(_rl_config(c, c.post.rl, os.path.join(workdir, "sft")),
-                               os.path.join(workdir, "grpo"))
-    timings["grpo"] = time.perf_counter() - t0
-  if c.post.enabled and c.post.get("rl_async") and c.post.rl_async.total_steps > 0:
-    t0 = time.perf_counter()
-    logging.info("=== rl_async: %d updates on %s from grpo", c.post.rl_async.total_steps,
-                 c.post.task)
-    results["rl_async"] = async_loop.run(
-        _rl_config(c, c.post.rl_async, os.path.join(workdir, "grpo")),
-        os.path.join(workdir, "rl_async"))
-    timings["rl_async"] = time.perf_counter() - t0
-  meta = corpus.load_meta(c.data.dir)
-  summary = _summarize(results, timings, meta, workdir)
-  with open(os.path.join(workdir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=2)
-  print(_table(summary))
-  _plot({name: _read_metrics(os.path.join(workdir, name)) for name in results},
-        os.path.join(workdir, "loss_curves.png"))
-  return summary
 
 
 def _final_metrics(result: dict, workdir: str) -> dict:
@@ -140,11 +21,11 @@ def _final_metrics(result: dict, workdir: str) -> dict:
 
 
 def _heldout_accuracies(workdir: str) -> list[tuple[int, float]]:
-  return [(m["step"], m["heldout_accuracy"]) for m in _read_metrics(workdir)
+  return [(m["step"], m["heldout_accuracy"]) for m in read_metrics(workdir)
           if "heldout_accuracy" in m]
 
 
-def _summarize(results, timings, meta, workdir):
+def summarize(results, timings, meta, workdir):
   rows = {}
   for name, r in results.items():
     r = _final_metrics(r, os.path.join(workdir, name))
@@ -160,7 +41,7 @@ def _summarize(results, timings, meta, workdir):
   if "grpo" in results:
     rl_dir = os.path.join(workdir, "grpo")
     acc = _heldout_accuracies(rl_dir) or [(0, None)]
-    steps = [m for m in _read_metrics(rl_dir) if "reward_mean" in m]
+    steps = [m for m in read_metrics(rl_dir) if "reward_mean" in m]
     out["post_training"] = {
         "heldout_accuracy_after_sft": acc[0][1], "heldout_accuracy_after_grpo": acc[-1][1],
         "heldout_problems": _final_metrics({}, rl_dir).get("heldout_problems"),
@@ -172,9 +53,9 @@ def _summarize(results, timings, meta, workdir):
         "sft_eval_loss": rows["sft"]["eval_loss"]}
   if "rl_async" in results:
     a_dir = os.path.join(workdir, "rl_async")
-    acc = [(m["step"], m["heldout_success_rate"]) for m in _read_metrics(a_dir)
+    acc = [(m["step"], m["heldout_success_rate"]) for m in read_metrics(a_dir)
            if "heldout_success_rate" in m] or [(0, None)]
-    ups = [m for m in _read_metrics(a_dir) if "reward_mean" in m]
+    ups = [m for m in read_metrics(a_dir) if "reward_mean" in m]
     out["async_rl"] = {
         "heldout_accuracy_before": acc[0][1], "heldout_accuracy_after": acc[-1][1],
         "updates": len(ups),
@@ -192,7 +73,7 @@ def _nan(v):
   return math.nan if v is None else v
 
 
-def _table(s) -> str:
+def table(s) -> str:
   lines = [f"{'stage':<16}{'eval loss':>11}{'bits/byte':>11}{'indexer KL':>12}{'tokens/s':>10}"
            f"{'wall s':>9}"]
   nan = _nan
@@ -224,7 +105,7 @@ def _table(s) -> str:
   return "\n".join(lines)
 
 
-def _plot(curves: dict, path: str):
+def plot(curves: dict, path: str):
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top

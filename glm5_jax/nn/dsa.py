@@ -1,0 +1,359 @@
+"""DeepSeek Sparse Attention (DSA): the indexer's top-k, sparse MLA, and the indexer's KL loss.
+
+GLM-5 (arXiv 2602.15763 §2) adopts DSA from DeepSeek-V3.2 (§2.1); equations in docs/design.md
+§2.4-2.5. The lightning indexer scores every visible key, I[t, s] = sum_j w[t, j] relu(q_j[t] .
+k[s]) (eq. 1); each query attends to its top-k keys (ties -> lower position, docs/design.md
+decision 5); the indexer learns from a KL to the main attention's distribution summed over heads
+(eq. 3 dense warm-up, eq. 4 on the selected set in the sparse stage), with its inputs detached.
+Notation: b batch, t queries, s keys, h heads, h_i indexer heads, k top-k.
+
+The model's calls of the two DSA ops are partitioned over the mesh when they run as Pallas
+kernels. XLA cannot partition a Pallas kernel: it is an opaque custom call, and on TPU Mosaic
+refuses to lower one whose operands are sharded. With a mesh set by `jax.set_mesh` and
+`attention_impl="pallas"`, each kernel runs inside `jax.shard_map` on every device's slice:
+
+  op                   batch b                  heads          keys / cache s
+  indexer top-k        over the batch axes      whole (the score sums all indexer heads)   whole
+                       (start, and a [b, t] limit, with it; a [t] limit is replicated)
+  sparse MLA           over the batch axes      over `tensor`  whole (shared by all heads)
+
+A batch axis group is used only when it divides b (an inference batch of 1 stays whole); heads
+go over `tensor` only when it divides them. kv enters unsharded over `tensor`, so shard_map's
+transpose sums its per-head-shard gradients over `tensor`. The `xla` path needs none of this:
+GSPMD partitions jnp code by itself, so it is called directly.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from glm5_jax import sharding as shd
+from pallas_kernels import lightning_indexer
+from pallas_kernels import sparse_attention
+
+_KL_EPS = 1e-10  # Megatron `compute_dsa_indexer_loss`
+
+# --------------------------------------------------------------------------------------
+# The two ops (per shard under a mesh for the Pallas kernels)
+# --------------------------------------------------------------------------------------
+
+def topk_indices(q, k, w, topk, *, impl, interpret, chunk_size, start=None, backend=None,
+                 limit=None):
+  """`lightning_indexer.topk_indices`, sharded over the batch axes for `impl="pallas"`.
+
+  start: optional int32 [b, t]; limit: optional int32 [t] (every row alike) or
+  [b, t] (per row: a KV-cache forward), see `lightning_indexer.topk_indices`.
+  """
+  call = lambda q, k, w, start, limit: lightning_indexer.topk_indices(
+      q, k, w, topk, impl=impl, interpret=interpret, chunk_size=chunk_size, start=start,
+      backend=backend, limit=limit)
+  mesh = shd.active_mesh()
+  if impl != "pallas" or mesh is None:
+    return call(q, k, w, start, limit)
+  bat = shd.axes_dividing(mesh, shd.BATCH_AXES, q.shape[0])
+  spec = P(bat)
+  limit_spec = spec if limit is not None and limit.ndim == 2 else P()
+  return jax.shard_map(call, in_specs=(spec, spec, spec, spec, limit_spec), out_specs=spec,
+                       check_vma=False)(q, k, w, start, limit)
+
+
+def sparse_mla(q, kv, indices, *, v_dim, scale, impl, interpret, chunk_size, backend=None):
+  """`sparse_attention.sparse_mla`, sharded over batch and heads for `impl="pallas"`."""
+  call = lambda q, kv, indices: sparse_attention.sparse_mla(
+      q, kv, indices, v_dim=v_dim, scale=scale, impl=impl, interpret=interpret,
+      chunk_size=chunk_size, backend=backend)
+  mesh = shd.active_mesh()
+  if impl != "pallas" or mesh is None:
+    return call(q, kv, indices)
+  bat = shd.axes_dividing(mesh, shd.BATCH_AXES, q.shape[0])
+  heads = shd.axes_dividing(mesh, (shd.TENSOR_AXIS,), q.shape[2])
+  rows = P(bat)
+  fn = jax.shard_map(call, in_specs=(P(bat, None, heads), rows, rows),
+                     out_specs=(P(bat, None, heads), P(bat, None, heads)), check_vma=False)
+  return fn(q, kv, indices)
+
+
+# --------------------------------------------------------------------------------------
+# The indexer's KL loss (DeepSeek-V3.2 §2.1 eqs. 3-4; docs/design.md §2.5)
+# --------------------------------------------------------------------------------------
+
+def _pad_seq(x, multiple, value=0):
+  """x padded along axis 1 to a multiple of `multiple`."""
+  widths = [(0, 0)] * x.ndim
+  widths[1] = (0, (-x.shape[1]) % multiple)
+  return jnp.pad(x, widths, constant_values=value)
+
+def _masked_logits(logits, valid):
+  """-inf outside `valid`; rows with nothing valid get zeros (no NaN, no NaN grads)."""
+  row_ok = jnp.any(valid, axis=-1, keepdims=True)
+  return jnp.where(valid, logits, jnp.where(row_ok, -jnp.inf, 0.0))
+
+
+def _kl(p, logits, valid):
+  """sum_s p * (log(p + eps) - log(q + eps)) with q = softmax(logits) over `valid`."""
+  q = jax.nn.softmax(_masked_logits(logits, valid), axis=-1)
+  q = jnp.where(valid, q, 0.0)
+  return jnp.sum(p * (jnp.log(p + _KL_EPS) - jnp.log(q + _KL_EPS)), axis=-1)
+
+
+def _target(attn_logits_bchs, valid_bcs):
+  """L1-normalised sum over heads of the attention softmax (detached)."""
+  logits = _masked_logits(attn_logits_bchs, valid_bcs[:, :, None])
+  p = jnp.sum(jax.nn.softmax(logits, axis=-1), axis=2)
+  p = jnp.where(valid_bcs, p, 0.0)
+  return p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), _KL_EPS)
+
+
+def _query_chunks(c, t, *arrays):
+  n = -(-t // c)
+  return [_pad_seq(a, c).reshape(a.shape[0], n, c, *a.shape[2:]).swapaxes(0, 1)
+          for a in arrays]
+
+
+def indexer_kl_dense(q_abs, kv, q_i, k_i, w_i, *, scale, indices=None, chunk_size=256,
+                     mask_bt=None, doc_start=None, limit=None):
+  """Dense-warm-up indexer loss: mean_{b,t} KL(p_t || softmax_s I_t) over causal s.
+
+  Blockwise over queries and keys (`chunk_size` each), so memory is
+  O(b * chunk^2 * (h + h_i)) besides inputs and gradients, linear in t and s:
+    pass 1  per query, the logsumexp over its visible keys of each head's attention
+            logits and of the index scores (online, key block by key block);
+    pass 2  per key block, p = mean_h exp(logit - lse_h) and q = exp(I - lse_I),
+            summing the KL terms and W = sum_s p q / (q + eps);
+    grad    dKL/dI_s = q_s W - p_s q_s / (q_s + eps), recomputed block by block and
+            pulled back through the index scores (a `jax.custom_vjp`).
+  Equal to `indexer_kl_dense_reference` (the query-chunked form).
+
+  Args:
+    q_abs: [b, t, h, c+p] absorbed MLA queries (detached here).
+    kv: [b, s, c+p] latent rows [c_kv | k_rope] (detached here).
+    q_i, k_i, w_i: indexer queries [b,t,h_i,d_i], keys [b,s,d_i], weights [b,t,h_i]
+      (scales folded in); these carry the gradient to the indexer parameters.
+    scale: MLA logit scale.
+    indices: unused (same signature as the sparse form).
+    chunk_size: queries per chunk and keys per block.
+    mask_bt: optional [b, t] weights of the queries in the mean.
+    doc_start: optional [b, t] first key of each query's document (packed rows).
+    limit: optional [b, t] last visible key of each query (default causal s - t + i;
+      context parallelism passes each query's natural position).
+  """
+  del indices
+  b, t = q_abs.shape[:2]
+  s = kv.shape[1]
+  q_abs, kv = jax.lax.stop_gradient(q_abs), jax.lax.stop_gradient(kv)
+  start = jnp.zeros((b, t), jnp.int32) if doc_start is None else doc_start.astype(jnp.int32)
+  limit = jnp.broadcast_to(lightning_indexer.causal_limit(t, s) if limit is None
+                           else limit.astype(jnp.int32), (b, t))
+  c, bk = max(1, min(chunk_size, t)), max(1, min(chunk_size, s))
+  kl = _dense_kl_rows(q_i, k_i, w_i, q_abs, kv, start, limit, float(scale), c, bk)
+  return _masked_mean(kl, mask_bt)
+
+
+def _rows(x, i, size: int):
+  """x[:, i * size : (i + 1) * size] for a traced block index i."""
+  return jax.lax.dynamic_slice_in_dim(x, i * size, size, axis=1)
+
+
+def _set_rows(x, i, size: int, block):
+  return jax.lax.dynamic_update_slice_in_dim(x, block.astype(x.dtype), i * size, axis=1)
+
+
+def _dense_kl_setup(q_i, k_i, w_i, q_abs, kv, start, limit, c, bk):
+  """Operands padded to whole chunks / blocks (no copy when already whole), and for query
+  chunk i its key blocks [first(i), end(i)): those between its smallest start and its
+  largest limit (rows that see nothing, incl. padding rows with limit -1, do not count)."""
+  x = dict(qa=_pad_seq(q_abs, c), qi=_pad_seq(q_i, c), wi=_pad_seq(w_i, c),
+           st=_pad_seq(start, c), li=_pad_seq(limit, c, value=-1),
+           kv=_pad_seq(kv, bk), ki=_pad_seq(k_i, bk))
+
+  def key_range(i):
+    st, li = _rows(x["st"], i, c), _rows(x["li"], i, c)
+    seen = st <= li
+    lo = jnp.min(jnp.where(seen, st, jnp.iinfo(jnp.int32).max))
+    hi = jnp.max(jnp.where(seen, li, -1))
+    return jnp.where(hi >= 0, lo // bk, 0), jnp.where(hi >= 0, hi // bk + 1, 0)
+
+  chunk = lambda i: {k: _rows(x[k], i, c) for k in ("qa", "qi", "wi", "st", "li")}
+  return x, chunk, key_range
+
+
+def _kl_tile(x, ch, j, bk, scale):
+  """Key block j of one query chunk: (valid [b,c,bk], attention logits [b,c,h,bk], key rows)."""
+  pos = j * bk + jnp.arange(bk, dtype=jnp.int32)
+  valid = (pos >= ch["st"][..., None]) & (pos <= ch["li"][..., None])
+  attn = jnp.einsum("bchd,bkd->bchk", ch["qa"], _rows(x["kv"], j, bk),
+                    preferred_element_type=jnp.float32) * scale
+  return valid, attn, _rows(x["ki"], j, bk)
+
+
+def _kl_p_q(valid, attn, scores, lse_a, lse_i):
+  """p = mean_h softmax_h(attn) (the L1-normalised head sum), q = softmax(scores); 0 off valid."""
+  p = jnp.mean(jnp.where(valid[:, :, None], jnp.exp(attn - lse_a[..., None]), 0.0), axis=2)
+  q = jnp.where(valid, jnp.exp(jnp.where(valid, scores, lse_i[..., None]) - lse_i[..., None]),
+                0.0)
+  return p, q
+
+
+def _online_lse(m, l, logits, valid):
+  """One step of a running logsumexp (max m, sum l) over the valid entries of the last axis."""
+  m_new = jnp.maximum(m, jnp.max(jnp.where(valid, logits, -jnp.inf), axis=-1))
+  m_use = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+  e = jnp.where(valid, jnp.exp(jnp.where(valid, logits, 0.0) - m_use[..., None]), 0.0)
+  return m_new, l * jnp.exp(m - m_use) + jnp.sum(e, axis=-1)
+
+
+def _lse_value(m, l):
+  """m + log l; 0 for rows with no valid entry (their p and q are 0 anyway)."""
+  return jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), 0.0)
+
+
+def _dense_kl_forward(q_i, k_i, w_i, q_abs, kv, start, limit, scale, c, bk):
+  """(KL [b, t], residuals lse_a [b, T, h], lse_I [b, T], W [b, T]; T = t padded)."""
+  b, t, h = q_abs.shape[:3]
+  x, chunk, key_range = _dense_kl_setup(q_i, k_i, w_i, q_abs, kv, start, limit, c, bk)
+  n = x["qa"].shape[1]
+
+  def query_chunk(i, bufs):
+    ch = chunk(i)
+
+    def stats(j, carry):                               # pass 1
+      (m_a, l_a), (m_i, l_i) = carry
+      valid, attn, ki = _kl_tile(x, ch, j, bk, scale)
+      scores = lightning_indexer.index_scores(ch["qi"], ki, ch["wi"])
+      return (_online_lse(m_a, l_a, attn, valid[:, :, None]),
+              _online_lse(m_i, l_i, scores, valid))
+
+    neg, zero = (lambda *sh: jnp.full(sh, -jnp.inf)), (lambda *sh: jnp.zeros(sh))
+    (m_a, l_a), (m_i, l_i) = jax.lax.fori_loop(
+        *key_range(i), stats, ((neg(b, c, h), zero(b, c, h)), (neg(b, c), zero(b, c))))
+    lse_a, lse_i = _lse_value(m_a, l_a), _lse_value(m_i, l_i)
+
+    def terms(j, carry):                               # pass 2
+      kl, w_sum = carry
+      valid, attn, ki = _kl_tile(x, ch, j, bk, scale)
+      p, q = _kl_p_q(valid, attn, lightning_indexer.index_scores(ch["qi"], ki, ch["wi"]), lse_a,
+                     lse_i)
+      kl = kl + jnp.sum(p * (jnp.log(p + _KL_EPS) - jnp.log(q + _KL_EPS)), axis=-1)
+      return kl, w_sum + jnp.sum(p * q / (q + _KL_EPS), axis=-1)
+
+    kl, w_sum = jax.lax.fori_loop(*key_range(i), terms, (zero(b, c), zero(b, c)))
+    return tuple(_set_rows(buf, i, c, v) for buf, v in zip(bufs, (kl, lse_a, lse_i, w_sum)))
+
+  zeros = lambda *sh: jnp.zeros(sh, jnp.float32)
+  kl, *res = jax.lax.fori_loop(0, n // c, query_chunk,
+                               (zeros(b, n), zeros(b, n, h), zeros(b, n), zeros(b, n)))
+  return kl[:, :t], tuple(res)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _dense_kl_rows(q_i, k_i, w_i, q_abs, kv, start, limit, scale, c, bk):
+  return _dense_kl_forward(q_i, k_i, w_i, q_abs, kv, start, limit, scale, c, bk)[0]
+
+
+def _dense_kl_rows_fwd(q_i, k_i, w_i, q_abs, kv, start, limit, scale, c, bk):
+  kl, res = _dense_kl_forward(q_i, k_i, w_i, q_abs, kv, start, limit, scale, c, bk)
+  return kl, (q_i, k_i, w_i, q_abs, kv, start, limit, res)
+
+
+def _dense_kl_rows_bwd(scale, c, bk, saved, g_bt):
+  """Gradients to q_i, k_i, w_i; none to the detached target or the int ranges."""
+  q_i, k_i, w_i, q_abs, kv, start, limit, (lse_a, lse_i, w_sum) = saved
+  t, s = q_abs.shape[1], kv.shape[1]
+  x, chunk, key_range = _dense_kl_setup(q_i, k_i, w_i, q_abs, kv, start, limit, c, bk)
+  g = _pad_seq(g_bt.astype(jnp.float32), c)
+
+  def query_chunk(i, bufs):
+    ch = chunk(i)
+    la, lq, ws, gc = (_rows(a, i, c) for a in (lse_a, lse_i, w_sum, g))
+
+    def key_block(j, carry):
+      dq, dw, dk = carry
+      valid, attn, ki = _kl_tile(x, ch, j, bk, scale)
+      scores, pull = jax.vjp(lightning_indexer.index_scores, ch["qi"], ki, ch["wi"])
+      p, q = _kl_p_q(valid, attn, scores, la, lq)
+      dq_j, dk_j, dw_j = pull(gc[..., None] * (q * ws[..., None] - p * q / (q + _KL_EPS)))
+      dk = _set_rows(dk, j, bk, _rows(dk, j, bk) + dk_j.astype(dk.dtype))
+      return dq + dq_j.astype(dq.dtype), dw + dw_j.astype(dw.dtype), dk
+
+    f32 = lambda a: jnp.zeros(a.shape, jnp.float32)
+    dq, dw, dk = jax.lax.fori_loop(*key_range(i), key_block, (f32(ch["qi"]), f32(ch["wi"]),
+                                                               bufs[2]))
+    return _set_rows(bufs[0], i, c, dq), _set_rows(bufs[1], i, c, dw), dk
+
+  zeros = lambda a, dt: jnp.zeros(a.shape, dt)
+  dq, dw, dk = jax.lax.fori_loop(0, x["qa"].shape[1] // c, query_chunk,
+                                 (zeros(x["qi"], q_i.dtype), zeros(x["wi"], w_i.dtype),
+                                  zeros(x["ki"], jnp.float32)))
+  return (dq[:, :t], dk[:, :s].astype(k_i.dtype), dw[:, :t], None, None, None, None)
+
+
+_dense_kl_rows.defvjp(_dense_kl_rows_fwd, _dense_kl_rows_bwd)
+
+
+def indexer_kl_dense_reference(q_abs, kv, q_i, k_i, w_i, *, scale, indices=None,
+                               chunk_size=256, mask_bt=None, doc_start=None):
+  """`indexer_kl_dense` chunked over queries only: memory O(b * chunk * h * s) (tests)."""
+  del indices
+  b, t = q_abs.shape[:2]
+  s = kv.shape[1]
+  q_abs, kv = jax.lax.stop_gradient(q_abs), jax.lax.stop_gradient(kv)
+  c = max(1, min(chunk_size, t))
+  limit = _pad_seq(lightning_indexer.causal_limit(t, s)[None], c).reshape(-1, c)
+  start = jnp.zeros((b, t), jnp.int32) if doc_start is None else doc_start
+  qa_c, qi_c, wi_c, st_c = _query_chunks(c, t, q_abs, q_i, w_i, start)
+
+  @jax.checkpoint
+  def chunk_kl(args):
+    qa, qi, wi, lim, st = args
+    pos = jnp.arange(s)
+    valid = (pos[None, :] <= lim[:, None])[None] & (pos[None, None, :] >= st[..., None])
+    attn = jnp.einsum("bchd,bsd->bchs", qa, kv, preferred_element_type=jnp.float32) * scale
+    p = _target(attn, valid)
+    return _kl(p, lightning_indexer.index_scores(qi, k_i, wi), valid)       # [b, c]
+
+  kl = jax.lax.map(chunk_kl, (qa_c, qi_c, wi_c, limit, st_c))
+  kl = kl.swapaxes(0, 1).reshape(b, -1)[:, :t]
+  return _masked_mean(kl, mask_bt)
+
+
+def indexer_kl_sparse(q_abs, kv, q_i, k_i, w_i, *, scale, indices, chunk_size=256,
+                      mask_bt=None, doc_start=None, limit=None):
+  """Sparse-stage indexer loss: the KL restricted to the selected set S_t (eq. 4).
+
+  Same arguments as `indexer_kl_dense`, plus `indices` [b, t, k] (-1 = empty),
+  which already respect document boundaries and causality (so `doc_start` and
+  `limit` are unused); memory O(b * chunk * k * (d + h)).
+  """
+  del doc_start, limit
+  b, t = q_abs.shape[:2]
+  q_abs, kv = jax.lax.stop_gradient(q_abs), jax.lax.stop_gradient(kv)
+  c = max(1, min(chunk_size, t))
+  qa_c, qi_c, wi_c = _query_chunks(c, t, q_abs, q_i, w_i)
+  idx_c = _pad_seq(indices, c, value=-1).reshape(b, -1, c, indices.shape[-1]).swapaxes(0, 1)
+  take = jax.vmap(lambda rows, i: rows[jnp.maximum(i, 0)])
+
+  @jax.checkpoint
+  def chunk_kl(args):
+    qa, qi, wi, idx = args
+    valid = idx >= 0                                                   # [b, c, k]
+    attn = jnp.einsum("bchd,bckd->bchk", qa, take(kv, idx),
+                      preferred_element_type=jnp.float32) * scale
+    p = _target(attn, valid)
+    qk = jnp.einsum("bcjd,bckd->bcjk", qi, take(k_i, idx), preferred_element_type=jnp.float32)
+    scores = jnp.einsum("bcjk,bcj->bck", jax.nn.relu(qk), wi.astype(jnp.float32))
+    return _kl(p, scores, valid)
+
+  kl = jax.lax.map(chunk_kl, (qa_c, qi_c, wi_c, idx_c))
+  kl = kl.swapaxes(0, 1).reshape(b, -1)[:, :t]
+  return _masked_mean(kl, mask_bt)
+
+
+def _masked_mean(x_bt, mask_bt):
+  if mask_bt is None:
+    return jnp.mean(x_bt)
+  m = mask_bt.astype(jnp.float32)
+  return jnp.sum(x_bt * m) / jnp.maximum(jnp.sum(m), 1.0)

@@ -1,0 +1,116 @@
+"""The layout reads like the method: imports point one way and never in a cycle.
+
+Every `import` in the library's modules, including those inside functions, is an edge of the
+graph: `from a.b import c` goes to module `a.b.c` when that is a module, else to `a.b`.
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGES = ("glm5_jax", "pallas_kernels")
+
+
+def _module_name(path: pathlib.Path) -> str:
+  parts = path.relative_to(ROOT).with_suffix("").parts
+  return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, pathlib.Path]:
+  return {_module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+
+
+def _imports(path: pathlib.Path, modules) -> set[str]:
+  out = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      out.update(a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+      for a in node.names:
+        sub = f"{node.module}.{a.name}"
+        out.add(sub if sub in modules else node.module)
+  return {m for m in out if m.split(".")[0] in PACKAGES + ("experiments", "tests", "configs")}
+
+
+@pytest.fixture(scope="module")
+def graph():
+  modules = _modules()
+  return {name: _imports(path, modules) for name, path in modules.items()}
+
+
+def _cycles(graph):
+  """Strongly connected components of more than one module (Tarjan), or with a self-edge."""
+  index, low, stack, on, out = {}, {}, [], set(), []
+
+  def visit(v):
+    index[v] = low[v] = len(index)
+    stack.append(v)
+    on.add(v)
+    for w in graph.get(v, ()):
+      if w not in graph:
+        continue
+      if w not in index:
+        visit(w)
+        low[v] = min(low[v], low[w])
+      elif w in on:
+        low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+      comp = []
+      while True:
+        w = stack.pop()
+        on.discard(w)
+        comp.append(w)
+        if w == v:
+          break
+      if len(comp) > 1 or v in graph[v]:
+        out.append(sorted(comp))
+
+  for v in sorted(graph):
+    if v not in index:
+      visit(v)
+  return out
+
+
+def test_no_module_imports_in_a_cycle(graph):
+  assert _cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+  assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# (importer prefix, imported prefix): edges the layout forbids, and why.
+FORBIDDEN = [
+    ("glm5_jax.nn", "glm5_jax.losses"),            # the model does not depend on the losses
+    ("glm5_jax.nn", "glm5_jax.train"),
+    ("glm5_jax.losses", "pallas_kernels"),          # kernels are reached through nn/dsa.py
+    ("glm5_jax.nn.moe_ep", "glm5_jax.nn.moe"),      # both use nn/ffn.py's expert kernels
+    ("glm5_jax.train", "glm5_jax.rl"),              # RL builds on training, not the reverse
+    ("glm5_jax", "experiments"),                    # entry points call the library
+    ("glm5_jax", "configs"),
+    ("glm5_jax", "tests"),
+    ("pallas_kernels", "glm5_jax"),                 # the kernels stand alone
+]
+
+
+@pytest.mark.parametrize("importer,imported", FORBIDDEN)
+def test_imports_point_one_way(graph, importer, imported):
+  under = lambda m, p: m == p or m.startswith(p + ".")
+  bad = sorted(f"{m} -> {d}" for m, deps in graph.items() if under(m, importer)
+               for d in deps if under(d, imported))
+  assert bad == []
+
+
+def test_pallas_kernel_references_stay_inside_the_kernels(graph):
+  """The library reaches a kernel's pure-jnp reference only through the kernel package's API."""
+  bad = sorted(f"{m} -> {d}" for m, deps in graph.items() if m.startswith("glm5_jax")
+               for d in deps if d.endswith(".reference") and d.startswith("pallas_kernels"))
+  assert bad == []
+
+
+def test_the_kernels_are_reached_only_through_dsa(graph):
+  users = sorted(m for m, deps in graph.items() if m.startswith("glm5_jax")
+                 and any(d.startswith("pallas_kernels") for d in deps))
+  assert users == ["glm5_jax.nn.dsa"]
