@@ -28,3 +28,72 @@ def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
     else:
       out[k] = type(d)(v)
   return out
+
+
+# Sweeps (big_vision style, next to `get_config`): a config file's module-level
+# `SWEEPS = {name: [overrides, ...]}` lists points, each a dict of config fields to set (dotted
+# for nested ones: "model.mtp_num_steps"); `python -m experiments.sweep` runs one training per
+# point (docs/sweeps.md). These two helpers build the lists.
+
+
+def _as_sweep(part, what: str) -> list[dict]:
+  if isinstance(part, dict):                    # one point (settings every point shares)
+    return [dict(part)]
+  if isinstance(part, (list, tuple)) and all(isinstance(p, dict) for p in part):
+    return [dict(p) for p in part]
+  raise ValueError(f"{what}: expected a sweep (a list of override dicts) or one override "
+                   f"dict, got {part!r}")
+
+
+def _parts(fn: str, sweeps, fields) -> list[list[dict]]:
+  parts = [_as_sweep(s, f"{fn}() argument {i}") for i, s in enumerate(sweeps)]
+  for k, values in fields.items():
+    if not isinstance(values, (list, tuple, range)):
+      raise ValueError(f"{fn}({k}={values!r}): expected a list of values for config.{k}")
+    parts.append([{k: v} for v in values])
+  return parts
+
+
+def _merge(points: tuple[dict, ...], fn: str) -> dict:
+  out = {}
+  for p in points:
+    for k, v in p.items():
+      if k in out:
+        raise ValueError(f"{fn}(): config.{k} is set by two of its arguments "
+                         f"({out[k]!r} and {v!r})")
+      out[k] = v
+  return out
+
+
+def product(*sweeps, **fields) -> list[dict]:
+  """Every combination of one point from each argument, the last varying fastest.
+
+  Each positional argument is a sweep (a list of override dicts) or one override dict (fields
+  every point shares); each keyword `field=[values]` is the sweep `[{field: v} ...]`
+  (nested fields: `**{"model.mtp_num_steps": [1, 3]}`).
+
+    product(optimizer=["adamw", "muon"], seed=[0, 1])
+    -> [{"optimizer": "adamw", "seed": 0}, {"optimizer": "adamw", "seed": 1},
+        {"optimizer": "muon", "seed": 0}, {"optimizer": "muon", "seed": 1}]
+  """
+  out = [{}]
+  for part in _parts("product", sweeps, fields):
+    out = [_merge((a, b), "product") for a in out for b in part]
+  return out
+
+
+def zip_(*sweeps, **fields) -> list[dict]:
+  """Points taken together: the i-th point of every argument (all of one length; a single
+  override dict joins every point).
+
+    zip_(optimizer=["adamw", "muon"], learning_rate=[1e-2, 3e-2])
+    -> [{"optimizer": "adamw", "learning_rate": 0.01},
+        {"optimizer": "muon", "learning_rate": 0.03}]
+  """
+  parts = _parts("zip_", sweeps, fields)
+  n = max((len(p) for p in parts), default=0)
+  if any(len(p) not in (1, n) for p in parts):
+    raise ValueError(f"zip_(): its arguments have {[len(p) for p in parts]} points; expected "
+                     "equal numbers (or one point, which joins every point)")
+  return [_merge(tuple(p[0] if len(p) == 1 else p[i] for p in parts), "zip_")
+          for i in range(n)]

@@ -15,7 +15,7 @@ def get_config(arg=None):
   c = pretrain.get_config("model=tiny,runlocal=True" + (f",{arg}" if arg else ""))
   c.batch_size = 8
   c.seq_len = 256
-  c.learning_rate = 1e-2
+  c.learning_rate = 1e-2          # 2e-2 and 3e-2 are no better (sweep main_job_lr, docs/sweeps.md)
   c.warmup_steps = 20
   c.log_every = 20
   c.eval_every = 100

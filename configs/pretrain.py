@@ -15,6 +15,11 @@ Mid-training grows the context in three stages (GLM-5 paper §2: 32K for 1T toke
 
 RoPE is unchanged (the paper names no base change or YaRN for the extension; the released
 config keeps rope_theta 1e6, rope_type "default"). See docs/long_context.md.
+
+`SWEEPS` (below) holds this config's sweeps, one training run per point (docs/sweeps.md):
+
+  python -m experiments.sweep --config=configs/pretrain.py:model=tiny,runlocal=True \
+      --sweep=muon_ablation --workdir=/tmp/muon_ablation
 """
 
 import os
@@ -60,7 +65,7 @@ def get_config(arg=None):
   c.param_init = "auto"                   # auto | host | jit
 
   # Optimizer (Muon Split for hidden matrices, AdamW for the rest; glm5_jax/optim).
-  c.optimizer = "muon_split"              # muon_split | adamw
+  c.optimizer = "muon_split"              # muon_split | muon (whole-matrix) | adamw
   c.learning_rate = 2e-3
   c.adam_learning_rate = 0.0              # 0 = same as learning_rate
   c.warmup_steps = 200
@@ -128,3 +133,32 @@ def get_config(arg=None):
     if a.stage == "midtrain":
       c.seq_len, c.batch_size, c.total_steps = MIDTRAIN_LOCAL[a.context]
   return c
+
+
+# Sweeps: name -> points, each a dict of the fields it overrides (`python -m experiments.sweep
+# --sweep=NAME`; docs/sweeps.md). Meant for `model=tiny,runlocal=True`.
+# The Muon Split ablation (docs/muon_split_ablation.md): 240 steps of 8 x 128 tokens, warm-up
+# 20, dense attention (stage pretrain), held-out loss every 20 steps on 8 batches.
+MUON_ABLATION = dict(stage="pretrain", total_steps=240, batch_size=8, seq_len=128,
+                     warmup_steps=20, log_every=20, eval_every=20, eval_batches=8,
+                     checkpoint_every=240)
+# The main job's pretraining stage (configs/main_job.py, glm5_jax/train/stages.py).
+MAIN_JOB_PRETRAIN = dict(stage="pretrain", total_steps=300, batch_size=8, seq_len=256,
+                         warmup_steps=20, log_every=20, eval_every=100, eval_batches=8,
+                         checkpoint_every=300)
+SWEEPS = {
+    "lr_x_optimizer": common.product(optimizer=["muon_split", "muon", "adamw"],
+                                     learning_rate=[3e-3, 1e-2, 3e-2]),
+    # Each optimizer at its tuned peak learning rate (the ablation's one-seed sweep); a seed
+    # sets the initialization and the batch order, the same for every optimizer.
+    "muon_ablation": common.product(
+        MUON_ABLATION,
+        common.zip_(optimizer=["adamw", "muon", "muon_split"], learning_rate=[1e-2, 3e-2, 3e-2]),
+        seed=[0, 1, 2]),
+    # The main job's pretraining learning rate (docs/sweeps.md): two seeds, then two more for
+    # the three best (a sweep is a list: `+` appends points).
+    "main_job_lr": (common.product(MAIN_JOB_PRETRAIN, learning_rate=[1e-2, 2e-2, 3e-2, 5e-2],
+                                   seed=[0, 1])
+                    + common.product(MAIN_JOB_PRETRAIN, learning_rate=[1e-2, 2e-2, 3e-2],
+                                     seed=[2, 3])),
+}

@@ -8,7 +8,9 @@ import ml_collections
 import numpy as np
 import pytest
 
+from glm5_jax import config as config_lib
 from glm5_jax import nn as gnn
+from glm5_jax import optim
 from glm5_jax.train import step as step_lib
 
 
@@ -138,3 +140,54 @@ def test_microbatched_train_step_equals_the_whole_batch_step(tiny_cfg, tiny_para
                                                    jax.tree_util.tree_leaves(tiny_params)))
   _assert_trees_close(s2.params, s1.params, atol=1e-5)
   _assert_trees_close(m2, m1, atol=1e-5)
+
+
+def _opt_config(optimizer, stage="pretrain"):
+  return ml_collections.ConfigDict(dict(
+      stage=stage, optimizer=optimizer, learning_rate=1e-2, adam_learning_rate=0.0,
+      warmup_steps=0, total_steps=10, final_lr_fraction=0.1, weight_decay=0.1, grad_clip=1.0))
+
+
+def _one_layer_params(rng):
+  """The tiny preset's tree cut to one dense layer without MTP (short compiles), random."""
+  shapes = gnn.abstract_params(config_lib.get_preset("tiny", num_hidden_layers=1,
+                                                     num_nextn_predict_layers=0))[0]
+  return jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s.shape), s.dtype), shapes)
+
+
+def test_muon_differs_from_muon_split_only_on_the_up_projections(rng):
+  """config.optimizer="muon": whole-matrix Newton–Schulz on W^UQ/W^UK/W^UV (wq_b, w_uk, w_uv);
+  every other leaf gets Muon Split's update."""
+  params = _one_layer_params(rng)
+  grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), p.dtype), params)
+  ups = {}
+  for name in ("muon", "muon_split"):
+    tx = step_lib.make_optimizer(_opt_config(name))
+    ups[name], _ = jax.jit(tx.update)(grads, tx.init(params), params)
+  diff = _changed(ups["muon"], ups["muon_split"])
+  groups = jax.tree_util.tree_flatten_with_path(optim.param_groups(params))[0]
+  up_proj = {jax.tree_util.keystr(p) for p, g in groups if g == "muon_split"}
+  assert {k.split("'")[-2] for k in up_proj} == {"wq_b", "w_uk", "w_uv"}
+  assert all(diff[k] for k in up_proj)
+  assert not any(v for k, v in diff.items() if k not in up_proj)
+  assert all(np.isfinite(np.asarray(u)).all() for u in jax.tree.leaves(ups["muon"]))
+
+
+def test_adamw_decays_matrices_but_not_norm_scales(rng):
+  """With zero gradients AdamW's update is the decoupled weight decay alone: -lr * wd * W on
+  matrices, 0 on norm scales and biases (as Muon Split's AdamW group)."""
+  params = _one_layer_params(rng)
+  tx = step_lib.make_optimizer(_opt_config("adamw"))
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  up, _ = jax.jit(tx.update)(zeros, tx.init(params), params)
+  np.testing.assert_allclose(up["embed"]["embedding"], -1e-2 * 0.1 * params["embed"]["embedding"],
+                             rtol=1e-6)
+  norms = [u for (p, u) in jax.tree_util.tree_flatten_with_path(up)[0]
+           if "norm" in jax.tree_util.keystr(p)]
+  assert norms and all(not np.any(np.asarray(u)) for u in norms)
+
+
+def test_an_unknown_optimizer_is_refused_with_the_allowed_values():
+  with pytest.raises(ValueError, match=r"config.optimizer='sgd': expected one of "
+                                       r"\('muon_split', 'muon', 'adamw'\)"):
+    step_lib.make_optimizer(_opt_config("sgd"))

@@ -30,6 +30,7 @@ from glm5_jax import nn as gnn
 from glm5_jax import optim
 from glm5_jax.nn import context_parallel as cp
 from glm5_jax.nn import layer_stack
+from glm5_jax.optim.param_groups import matrix_mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,24 +93,46 @@ def make_schedule(c, peak: float | None = None) -> optax.Schedule:
       decay_steps=max(c.total_steps, c.warmup_steps + 1), end_value=peak * c.final_lr_fraction)
 
 
+def _muon(c, sched, frozen, **how):
+  adam = make_schedule(c, c.adam_learning_rate) if c.adam_learning_rate else None
+  return optim.muon_split(learning_rate=sched, adam_learning_rate=adam,
+                          weight_decay=c.weight_decay, frozen=frozen, **how)
+
+
+def _adamw(c, sched, frozen):
+  """AdamW on every trained leaf, decoupled weight decay on matrices only (as Muon Split's
+  AdamW group); frozen and fixed leaves get zero updates."""
+  def labels(p):
+    fr = frozen(p) if frozen else _false(p)
+    return jax.tree.map(lambda a, b: "frozen" if (a or b) else "train", _fixed(p), fr)
+  return optax.multi_transform(
+      {"train": optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=c.weight_decay,
+                            mask=matrix_mask),
+       "frozen": optax.set_to_zero()}, labels)
+
+
+# config.optimizer -> its builder (c, schedule, frozen mask). The two Muon rows are the Muon
+# Split ablation's (docs/muon_split_ablation.md): per-head Newton–Schulz on W^UQ/W^UK/W^UV
+# with the scale of one head's block (GLM-5), or whole-matrix Muon on them with the whole
+# matrix's scale; the other hidden matrices take Muon and the rest AdamW in both.
+OPTIMIZERS = {
+    "muon_split": functools.partial(_muon, split_heads=True, rms_shape="per_head"),
+    "muon": functools.partial(_muon, split_heads=False, rms_shape="full"),
+    "adamw": _adamw,
+}
+
+
+def check_optimizer(name) -> str:
+  if name not in OPTIMIZERS:
+    raise ValueError(f"config.optimizer={name!r}: expected one of {tuple(OPTIMIZERS)}")
+  return name
+
+
 def make_optimizer(c) -> optax.GradientTransformation:
-  """Gradient clipping, then Muon Split (or AdamW for ablations) with the stage's mask."""
-  sched = make_schedule(c)
-  frozen = frozen_mask(c.stage)
-  if c.optimizer == "muon_split":
-    adam = make_schedule(c, c.adam_learning_rate) if c.adam_learning_rate else None
-    tx = optim.muon_split(learning_rate=sched, adam_learning_rate=adam,
-                          weight_decay=c.weight_decay, frozen=frozen)
-  elif c.optimizer == "adamw":
-    def labels(p):
-      fr = frozen(p) if frozen else _false(p)
-      return jax.tree.map(lambda a, b: "frozen" if (a or b) else "train", _fixed(p), fr)
-    tx = optax.multi_transform(
-        {"train": optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=c.weight_decay),
-         "frozen": optax.set_to_zero()}, labels)
-  else:
-    raise ValueError(f"config.optimizer={c.optimizer!r}: expected 'muon_split' or 'adamw'")
-  return optax.chain(optax.clip_by_global_norm(c.grad_clip), tx)
+  """Gradient clipping, then `OPTIMIZERS[c.optimizer]` with the stage's frozen mask."""
+  build = OPTIMIZERS[check_optimizer(c.optimizer)]
+  return optax.chain(optax.clip_by_global_norm(c.grad_clip),
+                     build(c, make_schedule(c), frozen_mask(c.stage)))
 
 
 def _fixed(p):
