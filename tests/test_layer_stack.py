@@ -32,7 +32,7 @@ CASES = {
     "tiny_indexshare": ("tiny", dict(num_hidden_layers=5, indexer_types=SHARED)),
     "small": ("small", dict(index_topk=16)),
 }
-_SLOW_CASES = ("small",)
+_SLOW_CASES = ("small", "tiny_dense")     # tiny_dense: the same scans as tiny_sparse (CI budget)
 
 
 def _rng(request):

@@ -105,7 +105,9 @@ def validate_config(c) -> None:
     raise ValueError(f"config.profile_steps={ps!r}: expected () or (start, stop) with "
                      "0 <= start < stop (steps start..stop-1 are traced), e.g. "
                      "--config.profile_steps='(10, 13)'")
-  _devices(c)
+  n = c.get("num_devices", 0)       # no JAX call here: jax.distributed is not started yet
+  if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+    raise ValueError(f"config.num_devices={n!r}: expected an int >= 0 (0 = every device)")
 
 
 _DATA = {"corpus": corpus, "conversations": sft}     # a stage's data -> its module
