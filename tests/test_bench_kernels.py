@@ -2,6 +2,7 @@
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from experiments import bench_kernels
 from experiments import kernel_ops
@@ -25,6 +26,7 @@ def test_attention_mismatch_is_normwise():
                              rtol=1e-6)
 
 
+@pytest.mark.slow  # CI time budget
 def test_bench_checks_both_impls_against_float32():
   rows = bench_kernels.bench(kernel_ops.SHAPES["tiny"], [32], ["indexer", "sparse_fwd_bwd"],
                              ["pallas", "xla"], 1, jnp.bfloat16, 1, 1.0, 1.0, 16, "gpu")

@@ -90,8 +90,9 @@ def test_byte_tokenizer_round_trip():
   assert tok.decode(tok.encode("déjà vu")) == "déjà vu"
 
 
-@pytest.mark.parametrize("attention_type", [         # dense: slow (CI time budget)
-    "sparse", pytest.param("dense", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("attention_type", [         # slow (CI time budget; packed rows
+    pytest.param("sparse", marks=pytest.mark.slow),    # are also checked by test_attention,
+    pytest.param("dense", marks=pytest.mark.slow)])    # test_kernels_model, test_layer_stack)
 def test_packed_documents_do_not_see_each_other(tiny_cfg, tiny_params, rng, attention_type):
   cfg = tiny_cfg.replace(attention_type=attention_type, index_topk=4)
   model = gnn.GLM5(cfg)

@@ -123,6 +123,7 @@ def test_logits_and_topk_match_transformers(case, tmp_path, forward_fn):
   np.testing.assert_allclose(out.logits, ref_logits, atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow  # CI time budget
 def test_sparsity_changes_the_logits(tmp_path, forward_fn):
   """Guards the parity test: a top-k below the sequence length must matter."""
   cfg = config_lib.get_preset("tiny", index_n_heads=16, num_nextn_predict_layers=0, mtp_num_steps=0)

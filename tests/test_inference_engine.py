@@ -102,6 +102,7 @@ def test_cache_holds_only_latent_rope_and_indexer_keys(cfg, engine):
   assert per_token == cfg.num_hidden_layers * ((c + p) * 4 + di * 4)
 
 
+@pytest.mark.slow  # CI time budget
 def test_sampled_batch_logprobs_and_topk_match_the_trainer(engine, reference, rng):
   """Five requests on three slots: two join mid-batch when earlier ones finish."""
   prompts = [rng.integers(0, 256, n).tolist() for n in (5, 20, 9, 40, 3)]
@@ -269,6 +270,7 @@ def test_seed_reproduces_and_changes_samples(engine, rng):
   assert run(5).token_ids != run(6).token_ids
 
 
+@pytest.mark.slow  # CI time budget
 def test_stop_tokens_max_new_tokens_and_cache_end(engine, rng):
   p = rng.integers(0, 256, 8).tolist()
   greedy = engine.generate([p], SamplingParams(max_new_tokens=10, temperature=0.0))[0]

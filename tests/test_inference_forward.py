@@ -17,7 +17,7 @@ from glm5_jax.nn import layer_stack
 
 @pytest.mark.parametrize("overrides", [
     dict(),
-    dict(attention_type="dense"),
+    pytest.param(dict(attention_type="dense"), marks=pytest.mark.slow),   # CI time budget
     pytest.param(dict(indexer_types=("full", "shared", "full"), index_topk=4),
                  marks=pytest.mark.slow),
 ], ids=["sparse", "dense", "index_share"])

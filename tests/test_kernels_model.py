@@ -39,6 +39,7 @@ def test_pallas_logits_equal_xla_logits(tiny_cfg, tiny_params, tiny_tokens):
   _assert_same_model_output(tiny_cfg, tiny_params, tiny_tokens)
 
 
+@pytest.mark.slow  # CI time budget
 def test_pallas_logits_equal_xla_logits_on_packed_rows(tiny_cfg, tiny_params, tiny_tokens):
   # Two documents per row: the indexer kernel path must respect document starts.
   segment_ids = jnp.asarray(np.repeat([[0] * 10 + [1] * 14], tiny_tokens.shape[0], 0), jnp.int32)

@@ -155,6 +155,7 @@ def test_passkey_accuracy_is_one_for_an_oracle_and_zero_one_token_late(filler):
   assert np.all(np.asarray(late["exact"]) == 0)
 
 
+@pytest.mark.slow  # CI time budget
 def test_loss_by_context_scores_the_same_last_tokens(tiny_cfg, tiny_params, rng):
   cfg = tiny_cfg.replace(attention_type="dense")
   fn = long_context.logits_fn(cfg)

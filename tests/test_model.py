@@ -47,6 +47,7 @@ def test_mtp_has_one_module_applied_three_times(tiny_cfg, tiny_params, tiny_toke
                                rtol=2e-4, atol=2e-4)
 
 
+@pytest.mark.slow  # CI time budget
 def test_hidden_with_chunked_ce_equals_logits_ce(tiny_cfg, tiny_params, tiny_tokens):
   out = gnn.GLM5(tiny_cfg).apply({"params": tiny_params}, tiny_tokens, return_logits=False, mtp=False)
   assert out.logits is None and out.mtp_logits is None

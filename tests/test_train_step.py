@@ -155,6 +155,7 @@ def _one_layer_params(rng):
   return jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s.shape), s.dtype), shapes)
 
 
+@pytest.mark.slow  # CI time budget
 def test_muon_differs_from_muon_split_only_on_the_up_projections(rng):
   """config.optimizer="muon": whole-matrix Newton–Schulz on W^UQ/W^UK/W^UV (wq_b, w_uk, w_uv);
   every other leaf gets Muon Split's update."""
