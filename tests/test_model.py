@@ -58,6 +58,7 @@ def test_hidden_with_chunked_ce_equals_logits_ce(tiny_cfg, tiny_params, tiny_tok
   np.testing.assert_allclose(chunked, full, rtol=1e-5)
 
 
+@pytest.mark.slow  # CI time budget (test_hf's topk_above_seq case checks it against HF)
 def test_dense_attention_equals_sparse_when_topk_covers_the_sequence(tiny_cfg, tiny_params, tiny_tokens):
   cfg = tiny_cfg.replace(index_topk=64)
   sparse = gnn.GLM5(cfg).apply({"params": tiny_params}, tiny_tokens, mtp=False).logits
