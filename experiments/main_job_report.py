@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 
 from glm5_jax.train import metrics as metrics_lib
-
-
-def read_metrics(workdir: str) -> list[dict]:
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f]
 
 
 def _final_metrics(result: dict, workdir: str) -> dict:
@@ -21,8 +15,21 @@ def _final_metrics(result: dict, workdir: str) -> dict:
 
 
 def _heldout_accuracies(workdir: str) -> list[tuple[int, float]]:
-  return [(m["step"], m["heldout_accuracy"]) for m in read_metrics(workdir)
+  return [(m["step"], m["heldout_accuracy"]) for m in metrics_lib.read_rows(workdir)
           if "heldout_accuracy" in m]
+
+
+def _consistency(rows) -> dict:
+  """Train/rollout agreement over an RL stage's metrics rows: max |dlogp|, top-k mismatches."""
+  return {"train_rollout_logp_abs_diff_max": max((m["logp_abs_diff_max"] for m in rows),
+                                                 default=None),
+          "topk_mismatches": sum(m["topk_mismatches"] for m in rows),
+          "topk_positions_compared": sum(m["topk_positions"] for m in rows)}
+
+
+def _consistency_text(r) -> str:
+  return (f"|dlogp| max {r['train_rollout_logp_abs_diff_max']:.2g}, top-k mismatches "
+          f"{r['topk_mismatches']:.0f} of {r['topk_positions_compared']:.0f}")
 
 
 def summarize(results, timings, meta, workdir):
@@ -41,28 +48,20 @@ def summarize(results, timings, meta, workdir):
   if "grpo" in results:
     rl_dir = os.path.join(workdir, "grpo")
     acc = _heldout_accuracies(rl_dir) or [(0, None)]
-    steps = [m for m in read_metrics(rl_dir) if "reward_mean" in m]
+    steps = [m for m in metrics_lib.read_rows(rl_dir) if "reward_mean" in m]
     out["post_training"] = {
         "heldout_accuracy_after_sft": acc[0][1], "heldout_accuracy_after_grpo": acc[-1][1],
         "heldout_problems": _final_metrics({}, rl_dir).get("heldout_problems"),
-        "grpo_steps": len(steps),
-        "train_rollout_logp_abs_diff_max": max((m["logp_abs_diff_max"] for m in steps),
-                                               default=None),
-        "topk_mismatches": sum(m["topk_mismatches"] for m in steps),
-        "topk_positions_compared": sum(m["topk_positions"] for m in steps),
+        "grpo_steps": len(steps), **_consistency(steps),
         "sft_eval_loss": rows["sft"]["eval_loss"]}
   if "rl_async" in results:
     a_dir = os.path.join(workdir, "rl_async")
-    acc = [(m["step"], m["heldout_success_rate"]) for m in read_metrics(a_dir)
+    acc = [(m["step"], m["heldout_success_rate"]) for m in metrics_lib.read_rows(a_dir)
            if "heldout_success_rate" in m] or [(0, None)]
-    ups = [m for m in read_metrics(a_dir) if "reward_mean" in m]
+    ups = [m for m in metrics_lib.read_rows(a_dir) if "reward_mean" in m]
     out["async_rl"] = {
         "heldout_accuracy_before": acc[0][1], "heldout_accuracy_after": acc[-1][1],
-        "updates": len(ups),
-        "train_rollout_logp_abs_diff_max": max((m["logp_abs_diff_max"] for m in ups),
-                                               default=None),
-        "topk_mismatches": sum(m["topk_mismatches"] for m in ups),
-        "topk_positions_compared": sum(m["topk_positions"] for m in ups),
+        "updates": len(ups), **_consistency(ups),
         "staleness_max": max((m["staleness_max"] for m in ups), default=None),
         "trainer_idle_ratio": ups[-1]["trainer_idle_ratio"] if ups else None}
   return out
@@ -92,16 +91,14 @@ def table(s) -> str:
         f"held-out accuracy ({p['heldout_problems']:.0f} problems, greedy): after SFT "
         f"{p['heldout_accuracy_after_sft']:.3f}, after GRPO {p['heldout_accuracy_after_grpo']:.3f}"
         f" ({100 * (p['heldout_accuracy_after_grpo'] - p['heldout_accuracy_after_sft']):+.1f} "
-        f"points); train/rollout |dlogp| max {p['train_rollout_logp_abs_diff_max']:.2g}, "
-        f"top-k mismatches {p['topk_mismatches']:.0f} of {p['topk_positions_compared']:.0f}")
+        f"points); train/rollout {_consistency_text(p)}")
   a = s.get("async_rl")
   if a:
     a = {k: nan(v) for k, v in a.items()}
     lines.append(
         f"async RL ({a['updates']:.0f} updates, staleness <= {a['staleness_max']:.0f}): held-out "
         f"accuracy {a['heldout_accuracy_before']:.3f} -> {a['heldout_accuracy_after']:.3f}; "
-        f"|dlogp| max {a['train_rollout_logp_abs_diff_max']:.2g}, top-k mismatches "
-        f"{a['topk_mismatches']:.0f} of {a['topk_positions_compared']:.0f}")
+        f"{_consistency_text(a)}")
   return "\n".join(lines)
 
 

@@ -29,6 +29,7 @@ from glm5_jax.rl import async_loop
 from glm5_jax.rl import grpo
 from glm5_jax.rl import tasks
 from glm5_jax.train import loop
+from glm5_jax.train import metrics as metrics_lib
 
 
 def _stage_config(base, stage: str, steps: int, init_from: str, lr: float, warmup: int):
@@ -121,6 +122,6 @@ def run_all(c, workdir: str) -> dict:
   with open(os.path.join(workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
   print(report.table(summary))
-  report.plot({name: report.read_metrics(os.path.join(workdir, name)) for name in results},
+  report.plot({name: metrics_lib.read_rows(os.path.join(workdir, name)) for name in results},
               os.path.join(workdir, "loss_curves.png"))
   return summary
