@@ -115,6 +115,70 @@ def test_restore_params_of_a_corrupt_workdir_is_one_line_naming_it(two_steps):
   assert "\n" not in str(e.value)
 
 
+def _all_state_files(step_dir):
+  return [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(step_dir, "state"))
+          for f in fs if "/d/" in os.path.join(r, f) or r.endswith("/d")]
+
+
+def test_every_state_file_truncated_is_one_line_not_a_crash(two_steps):
+  """With the tree's own metadata unreadable too, orbax's checkpointer returned None (after
+  two warnings) and restore_params died in an AttributeError."""
+  workdir, states = two_steps
+  for f in _all_state_files(os.path.join(workdir, "checkpoints", "2")):
+    _truncate(f)
+  with pytest.raises(ValueError, match=f"config.init_from='{workdir}': checkpoint unreadable") as e:
+    ckpt_lib.restore_params(workdir, _abstract(states[2]["params"]))
+  assert "\n" not in str(e.value) and "tensorstore_spec" not in str(e.value)
+
+
+def test_a_failed_reads_aftermath_is_dropped_and_nothing_else(monkeypatch):
+  """tensorstore calls back into the closed event loop of a failed read (an unraisable
+  RuntimeError) and asyncio logs its sibling reads' errors at garbage collection; both
+  come after the one-line report and are dropped, other messages are not."""
+  import logging as std_logging  # pylint: disable=g-import-not-at-top
+  seen = []
+  monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(str(u.exc_value)))
+  ckpt_lib._mute_aftermath()
+  ckpt_lib._mute_aftermath()                         # idempotent: one filter, one hook
+
+  class Unraisable:
+    def __init__(self, exc):
+      self.exc_value, self.exc_type, self.exc_traceback = exc, type(exc), None
+      self.err_msg, self.object = None, None
+
+  sys.unraisablehook(Unraisable(RuntimeError("Event loop is closed")))
+  sys.unraisablehook(Unraisable(RuntimeError("something else")))
+  assert seen == ["something else"]
+  log = std_logging.getLogger("asyncio")
+  assert sum(isinstance(f, ckpt_lib._DropAftermath) for f in log.filters) == 1
+  def record(exc):
+    return std_logging.LogRecord("asyncio", 40, __file__, 1, "Task exception was never "
+                                 "retrieved", None, (type(exc), exc, None))
+  assert not log.filter(record(ValueError("OUT_OF_RANGE: ... [tensorstore_spec='{}']")))
+  assert log.filter(record(ValueError("an unrelated error")))
+
+
+def test_a_corrupt_fallback_prints_one_line(tmp_path, two_steps):
+  """End to end in a fresh interpreter: the log of a fallback is the one error line."""
+  workdir, _ = two_steps
+  for f in _all_state_files(os.path.join(workdir, "checkpoints", "2")):
+    _truncate(f)
+  code = f"""
+import grain, jax, jax.numpy as jnp
+from glm5_jax.train import checkpoint as c
+abstract = {{"params": {{"w": jax.ShapeDtypeStruct((64, 8), jnp.float32)}},
+            "opt_state": {{"mu": jax.ShapeDtypeStruct((5,), jnp.float32)}}}}
+with c.manager({workdir!r}, keep=3, async_save=False) as m:
+  step, _ = c.restore_latest(m, abstract, iter(grain.MapDataset.range(9).to_iter_dataset()))
+print("restored", step)
+"""
+  p = subprocess.run([sys.executable, "-c", code], cwd=tt.ROOT, env=tt._env(),
+                     capture_output=True, text=True, timeout=300)
+  assert p.returncode == 0 and p.stdout.strip() == "restored 1", p.stderr[-2000:]
+  lines = p.stderr.strip().splitlines()
+  assert len(lines) == 1 and "checkpoint step 2 is unreadable" in lines[0], p.stderr[-3000:]
+
+
 @pytest.mark.parametrize("keep", [0, -1, None])
 def test_keep_checkpoints_below_one_is_rejected(tmp_path, keep):
   with pytest.raises(ValueError, match=f"config.keep_checkpoints={keep}: expected an integer"):

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging as std_logging
 import os
 import shutil
+import sys
 
 from absl import logging
+from etils import epath
 import grain
 import jax
 import orbax.checkpoint as ocp
@@ -102,7 +105,39 @@ def _root_cause(e: BaseException) -> str:
     msgs.append(f"{type(e).__name__}: {str(e).strip()}")
     e = e.__cause__ or e.__context__
   named = [m for m in msgs if "file" in m] or msgs
-  return " ".join(named[-1].split())[:400]
+  return " ".join(named[-1].split(" [tensorstore_spec=")[0].split())[:400]
+
+
+def _is_aftermath(exc) -> bool:
+  """What a failed orbax read leaves behind once it has raised: tensorstore callbacks into
+  the closed asyncio loop of the read, and its other reads' never-retrieved errors."""
+  return ((isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed")
+          or (isinstance(exc, ValueError) and "tensorstore" in str(exc)))
+
+
+class _DropAftermath(std_logging.Filter):
+
+  def filter(self, record) -> bool:
+    return not (record.exc_info and _is_aftermath(record.exc_info[1]))
+
+
+def _mute_aftermath() -> None:
+  """Keeps the traceback pages that a failed checkpoint read prints after it has raised
+  (from tensorstore threads, and at garbage collection) out of the log: the failure is
+  reported once, in one line, by `read_step`'s caller. Only those two kinds of message
+  are dropped."""
+  asyncio_log = std_logging.getLogger("asyncio")
+  if not any(isinstance(f, _DropAftermath) for f in asyncio_log.filters):
+    asyncio_log.addFilter(_DropAftermath())
+  previous = sys.unraisablehook
+  if getattr(previous, "drops_checkpoint_aftermath", False):
+    return
+
+  def hook(unraisable):
+    if not _is_aftermath(unraisable.exc_value):
+      previous(unraisable)
+  hook.drops_checkpoint_aftermath = True
+  sys.unraisablehook = hook
 
 
 def _check_files(step_dir: str) -> None:
@@ -126,6 +161,7 @@ def read_step(step_dir: str, fn):
   """`fn()` (a restore of the checkpoint in `step_dir`), its failure as CorruptCheckpoint
   with one line naming the file."""
   _check_files(step_dir)
+  _mute_aftermath()
   try:
     return fn()
   except CorruptCheckpoint:
@@ -221,9 +257,11 @@ def restore_params(workdir_or_ckpt: str, abstract_params, what: str = "config.in
   item = {"params": abstract_params}
   try:
     with ocp.PyTreeCheckpointer() as ckptr:
-      meta = read_step(step_dir, lambda: ckptr.metadata(state_dir))
-      tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta
-      tree = tree.tree if hasattr(tree, "tree") else tree
+      # The handler's metadata raises on an unreadable tree (the checkpointer's logs two
+      # warnings and returns None).
+      meta = read_step(step_dir, lambda: ocp.PyTreeCheckpointHandler().metadata(
+          epath.Path(state_dir)))
+      tree = meta.tree if hasattr(meta, "tree") else meta
       _check_same_shapes(tree["params"], abstract_params, f"{what}={workdir_or_ckpt!r}")
       return read_step(step_dir, lambda: ckptr.restore(state_dir, args=ocp.args.PyTreeRestore(
           item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
