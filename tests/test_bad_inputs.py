@@ -105,6 +105,22 @@ def test_unrecorded_corrupt_shard_is_named(prepared, tmp_path, damage):
     corpus.shard_paths(d, "validation")
 
 
+def test_overwrite_inside_a_shard_is_named_when_read(prepared, tmp_path):
+  """Same size, same record count: ArrayRecord's chunk hashes catch it at read time, and
+  the error names the shard and the record (theirs names a byte offset only)."""
+  d = _copy(prepared, tmp_path)
+  shard = corpus.shard_paths(d, "train")[0]
+  with open(shard, "r+b") as f:
+    f.seek(256)                     # inside the first data chunk (the rest of a small shard
+    f.write(b"\x55" * 64)           # is padding to ArrayRecord's 64 KiB blocks)
+  corpus.shard_paths(d, "train")                   # size and count still match the record
+  ds = pipeline.packed_dataset(d, "train", seq_len=16, batch_per_process=1, seed=0,
+                               shuffle=False, repeat=False)
+  with pytest.raises(ValueError, match=rf"data shard '{shard}', record \d+: .*hash mismatch"):
+    for _ in ds:
+      pass
+
+
 def test_shard_with_other_records_is_named(prepared, tmp_path):
   d = _copy(prepared, tmp_path)
   meta = corpus.load_meta(d)

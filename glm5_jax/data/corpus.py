@@ -8,11 +8,14 @@ corpus is the Python standard library's own source files on this machine.
 directory, file pattern, tokenizer, split) and each shard's size and record count
 (`shards`). `ensure` refuses to reuse a directory prepared from other sources, and
 `shard_paths` refuses a shard whose size or record count differs from the record (a
-truncated or overwritten file), naming it, before any reader touches its contents.
+truncated or overwritten file), naming it, before any reader touches its contents. An
+overwrite that keeps the size is caught by ArrayRecord's own per-chunk hashes when the
+chunk is read; `ShardSource` names the shard and record in that error.
 """
 
 from __future__ import annotations
 
+import bisect
 import glob
 import hashlib
 import json
@@ -20,6 +23,7 @@ import logging
 import os
 import sysconfig
 
+import grain
 import numpy as np
 
 from glm5_jax.data import tokenizers
@@ -114,6 +118,31 @@ def shard_paths(data_dir: str, split: str) -> list[str]:
   for p in paths:
     check_shard(p, recorded.get(os.path.basename(p)))
   return paths
+
+
+class ShardSource:
+  """grain's ArrayRecord source over several shards, whose read errors name the shard and
+  the record (ArrayRecord's own say only "chunk data hash mismatch ... at byte N")."""
+
+  def __init__(self, paths: list[str]):
+    self._paths = list(paths)
+    self._sources = [grain.sources.ArrayRecordDataSource([p]) for p in self._paths]
+    self._starts = np.cumsum([0] + [len(s) for s in self._sources]).tolist()
+
+  def __len__(self) -> int:
+    return self._starts[-1]
+
+  def __getitem__(self, index: int) -> bytes:
+    k = bisect.bisect_right(self._starts, index) - 1
+    try:
+      return self._sources[k][index - self._starts[k]]
+    except RuntimeError as e:
+      raise ValueError(f"data shard {self._paths[k]!r}, record {index - self._starts[k]}: "
+                       f"{e}; prepare the data again (delete its data.dir or use a new "
+                       "one)") from None
+
+  def __repr__(self) -> str:
+    return f"ShardSource({len(self._paths)} shards, {len(self)} records)"
 
 
 def check_shard(path: str, record: dict | None = None) -> None:

@@ -69,11 +69,10 @@ def filler_from_ids(ids: np.ndarray, tok) -> Filler:
 
 def filler_from_corpus(data_dir: str, split: str, *, max_tokens: int = 0) -> Filler:
   """The `split` documents of a prepared corpus (in shard order), at most `max_tokens`."""
-  import grain  # pylint: disable=g-import-not-at-top
   if split not in _SALT:
     raise ValueError(f"split={split!r}: expected one of {sorted(_SALT)}")
   meta = corpus.load_meta(data_dir)
-  source = grain.sources.ArrayRecordDataSource(corpus.shard_paths(data_dir, split))
+  source = corpus.ShardSource(corpus.shard_paths(data_dir, split))
   docs, n = [], 0
   for i in range(len(source)):
     docs.append(np.frombuffer(source[i], np.int32))

@@ -47,7 +47,7 @@ def packed_dataset(data_dir: str, split: str, *, seq_len: int, batch_per_process
   if batch_per_process < 1:
     raise ValueError(f"batch per process={batch_per_process}: expected >= 1 (batch_size must be "
                      f">= the number of processes)")
-  source = grain.sources.ArrayRecordDataSource(corpus.shard_paths(data_dir, split))
+  source = corpus.ShardSource(corpus.shard_paths(data_dir, split))
   ds = grain.MapDataset.source(source)
   if shuffle:
     ds = ds.shuffle(seed=seed)

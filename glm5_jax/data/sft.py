@@ -28,6 +28,7 @@ import grain.experimental as grain_exp
 import numpy as np
 
 from glm5_jax.data import chat
+from glm5_jax.data import corpus
 
 META = "meta.json"
 SPLITS = ("train", "validation")
@@ -177,7 +178,7 @@ def packed_dataset(data_dir: str, split: str, *, seq_len: int, batch_per_process
   if np.all(lengths > seq_len):
     raise ValueError(f"seq_len={seq_len}: every {split} conversation is longer (shortest "
                      f"{int(lengths.min())} tokens); raise config.seq_len")
-  ds = grain.MapDataset.source(grain.sources.ArrayRecordDataSource(paths)).map(decode_record)
+  ds = grain.MapDataset.source(corpus.ShardSource(paths)).map(decode_record)
   ds = ds.filter(lambda r: len(r["tokens"]) <= seq_len)
   if shuffle:
     ds = ds.shuffle(seed=seed)

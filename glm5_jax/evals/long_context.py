@@ -25,7 +25,6 @@ from __future__ import annotations
 import time
 
 from absl import logging
-import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -88,7 +87,7 @@ def _rows_per_batch(length: int, batch_tokens: int) -> int:
 
 def heldout_documents(data_dir: str, length: int, max_docs: int = 0) -> np.ndarray:
   """int32 [n, length]: the first `length` tokens of each validation document that long."""
-  source = grain.sources.ArrayRecordDataSource(corpus.shard_paths(data_dir, "validation"))
+  source = corpus.ShardSource(corpus.shard_paths(data_dir, "validation"))
   docs = []
   for i in range(len(source)):
     ids = np.frombuffer(source[i], np.int32)
