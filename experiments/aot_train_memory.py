@@ -244,10 +244,12 @@ def _bytes(tree) -> int:
 
 
 def table(rows) -> str:
-  """One line per row; compile-OOM rows show state (computed) + required temporaries."""
+  """One line per row; compile-OOM rows show state (computed) + required temporaries; cf is
+  the expert-parallel capacity factor (- = dropless)."""
   gib = lambda x: f"{x / GIB:,.1f}" if x is not None else "-"
   head = (f"{'topology':<11}{'mesh':<19}{'stage':<11}{'seq':>7}{'L':>4}{'params':>7}"
-          f"{'compile s':>10}{'args GiB':>10}{'temp GiB':>10}{'total GiB':>11}{'HBM':>5}  fits?")
+          f"{'cf':>5}{'compile s':>10}{'args GiB':>10}{'temp GiB':>10}{'total GiB':>11}{'HBM':>5}"
+          "  fits?")
   lines = [head, "-" * len(head)]
   for r in rows:
     m = r["mesh"]
@@ -255,7 +257,8 @@ def table(rows) -> str:
     mesh += {"default": "", "embed_over_context": "*", "lora_over_fsdp": "**"}[r["rules"]]
     stage = r["stage"] if r.get("part", "step") == "step" else f"{r['stage'][:5]}:{r['part']}"
     lead = (f"{r['topology']:<11}{mesh:<19}{stage:<11}{r['seq_len']:>7}{r['num_layers']:>4}"
-            f"{'f32' if r['param_dtype'] == 'float32' else 'bf16':>7}{r['compile_seconds']:>10.0f}")
+            f"{'f32' if r['param_dtype'] == 'float32' else 'bf16':>7}"
+            f"{r.get('moe_capacity_factor') or '-':>5}{r['compile_seconds']:>10.0f}")
     hbm = f"{r['hbm_bytes'] / GIB:>5.0f}"
     if r["ok"]:
       fits = "yes" if r["total_bytes"] <= r["hbm_bytes"] else "NO"
