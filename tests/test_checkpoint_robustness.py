@@ -147,8 +147,11 @@ def test_a_failed_reads_aftermath_is_dropped_and_nothing_else(monkeypatch):
       self.err_msg, self.object = None, None
 
   sys.unraisablehook(Unraisable(RuntimeError("Event loop is closed")))
+  sys.unraisablehook(Unraisable(Exception("Encountered error while reading array index: "
+                                          "(slice(0, 5, 1),). See full TensorStore details")))
   sys.unraisablehook(Unraisable(RuntimeError("something else")))
-  assert seen == ["something else"]
+  sys.unraisablehook(Unraisable(KeyError("tensorstore")))       # not a read's error
+  assert seen == ["something else", "'tensorstore'"]
   log = std_logging.getLogger("asyncio")
   assert sum(isinstance(f, ckpt_lib._DropAftermath) for f in log.filters) == 1
   def record(exc):

@@ -110,9 +110,10 @@ def _root_cause(e: BaseException) -> str:
 
 def _is_aftermath(exc) -> bool:
   """What a failed orbax read leaves behind once it has raised: tensorstore callbacks into
-  the closed asyncio loop of the read, and its other reads' never-retrieved errors."""
+  the closed asyncio loop of the read, and its other reads' errors (never retrieved, or
+  raised in a coroutine closed at garbage collection), which name tensorstore."""
   return ((isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed")
-          or (isinstance(exc, ValueError) and "tensorstore" in str(exc)))
+          or (type(exc) in (ValueError, Exception) and "tensorstore" in str(exc).lower()))
 
 
 class _DropAftermath(std_logging.Filter):
@@ -124,8 +125,7 @@ class _DropAftermath(std_logging.Filter):
 def _mute_aftermath() -> None:
   """Keeps the traceback pages that a failed checkpoint read prints after it has raised
   (from tensorstore threads, and at garbage collection) out of the log: the failure is
-  reported once, in one line, by `read_step`'s caller. Only those two kinds of message
-  are dropped."""
+  reported once, in one line, by `read_step`'s caller. Only those messages are dropped."""
   asyncio_log = std_logging.getLogger("asyncio")
   if not any(isinstance(f, _DropAftermath) for f in asyncio_log.filters):
     asyncio_log.addFilter(_DropAftermath())
