@@ -33,6 +33,7 @@ META = "meta.json"
 # max_files are recorded only: a directory prepared from a subset (tests, smoke runs) stays
 # usable by a config that names the whole source.
 CHECKED = ("source_dir", "tokenizer", "pattern")
+_FIX = "prepare the data again (delete its data.dir or use a new one)"
 
 
 def default_source_dir() -> str:
@@ -138,8 +139,7 @@ class ShardSource:
       return self._sources[k][index - self._starts[k]]
     except RuntimeError as e:
       raise ValueError(f"data shard {self._paths[k]!r}, record {index - self._starts[k]}: "
-                       f"{e}; prepare the data again (delete its data.dir or use a new "
-                       "one)") from None
+                       f"{e}; {_FIX}") from None
 
   def __repr__(self) -> str:
     return f"ShardSource({len(self._paths)} shards, {len(self)} records)"
@@ -152,22 +152,21 @@ def check_shard(path: str, record: dict | None = None) -> None:
   to the ArrayRecord reader); then the reader opens it and its record count is compared.
   """
   from array_record.python.array_record_module import ArrayRecordReader  # pylint: disable=g-import-not-at-top
-  fix = "prepare the data again (delete its data.dir or use a new one)"
   size = os.path.getsize(path)
   if record is not None and size != record["bytes"]:
     raise ValueError(f"data shard {path!r} is {size} bytes, but {record['bytes']} were written "
-                     f"(meta.json): truncated or overwritten; {fix}")
+                     f"(meta.json): truncated or overwritten; {_FIX}")
   try:
     reader = ArrayRecordReader(path)
     n = reader.num_records()
     reader.close()
   except RuntimeError as e:
     raise ValueError(f"data shard {path!r} is not a readable ArrayRecord file ({e}); "
-                     f"{fix}") from None
+                     f"{_FIX}") from None
   want = None if record is None else record["records"]
   if (want is not None and n != want) or (want is None and n == 0 and size > 0):
     raise ValueError(f"data shard {path!r} holds {n} records, expected "
-                     f"{want if want is not None else 'at least 1'}: truncated or corrupt; {fix}")
+                     f"{want if want is not None else 'at least 1'}: truncated or corrupt; {_FIX}")
 
 
 def _read_meta(path: str) -> dict:
@@ -175,8 +174,7 @@ def _read_meta(path: str) -> dict:
     with open(path) as fh:
       return json.load(fh)
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise ValueError(f"{path} is not valid JSON ({e}); prepare the data again (delete its "
-                     "data.dir or use a new one)") from None
+    raise ValueError(f"{path} is not valid JSON ({e}); {_FIX}") from None
 
 
 def load_meta(data_dir: str) -> dict:

@@ -170,9 +170,13 @@ def read_step(step_dir: str, fn):
     raise CorruptCheckpoint(f"{step_dir}: {_root_cause(e)}") from None
 
 
-def _saved_tree(mngr, step: int):
-  meta = mngr.item_metadata(step)["state"]
+def _tree(meta):
+  """The tree of orbax's tree metadata (older orbax returns the tree itself)."""
   return meta.tree if hasattr(meta, "tree") else meta
+
+
+def _saved_tree(mngr, step: int):
+  return _tree(mngr.item_metadata(step)["state"])
 
 
 def _key_name(k) -> str:
@@ -261,8 +265,7 @@ def restore_params(workdir_or_ckpt: str, abstract_params, what: str = "config.in
       # warnings and returns None).
       meta = read_step(step_dir, lambda: ocp.PyTreeCheckpointHandler().metadata(
           epath.Path(state_dir)))
-      tree = meta.tree if hasattr(meta, "tree") else meta
-      _check_same_shapes(tree["params"], abstract_params, f"{what}={workdir_or_ckpt!r}")
+      _check_same_shapes(_tree(meta)["params"], abstract_params, f"{what}={workdir_or_ckpt!r}")
       return read_step(step_dir, lambda: ckptr.restore(state_dir, args=ocp.args.PyTreeRestore(
           item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
           partial_restore=True)))["params"]
