@@ -75,7 +75,8 @@ def _write_sft_data(c, workdir: str) -> str:
   if not os.path.exists(path):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     task = tasks.get(c.post.task, **dict(c.post.task_options))
-    task.write_sft(path + ".tmp", c.post.sft_conversations, c.seed)
+    task.write_sft(path + ".tmp", c.post.sft_conversations, c.seed,
+                   think_fraction=c.post.think_fraction)
     os.replace(path + ".tmp", path)
   return path
 
@@ -90,6 +91,8 @@ def run_all(c, workdir: str) -> dict:
       ("dsa_warmup", "dsa_warmup", s.warmup_steps, "pretrain", s.warmup_learning_rate, 5),
       ("dsa_sparse", "dsa_sparse", s.sparse_steps, "dsa_warmup", s.adapt_learning_rate, 0),
   ]
+  if c.post.enabled:
+    _write_sft_data(c, workdir)    # first: a bad post-training option fails before pretraining
   results, timings = {}, {}
   for name, stage, steps, parent, lr, warm in plan:
     sub = os.path.join(workdir, name)
@@ -100,7 +103,6 @@ def run_all(c, workdir: str) -> dict:
     timings[name] = time.perf_counter() - t0
   if c.post.enabled:
     t0 = time.perf_counter()
-    _write_sft_data(c, workdir)
     logging.info("=== sft: %d steps on %s conversations from dsa_sparse", c.post.sft_steps,
                  c.post.task)
     results["sft"] = loop.run(_sft_config(c, workdir), os.path.join(workdir, "sft"))

@@ -5,7 +5,10 @@ r"""Writes SFT conversations (JSONL, the chat schema of glm5_jax/data/chat.py) f
   python -m experiments.write_sft_data --task=tool_calc --n=7000 --out=/tmp/tool_calc.jsonl
 
 Tool tasks (tool_calc, tool_search, tool_python) write multi-turn conversations: the
-assistant calls the tool, the observation holds its output, the assistant answers.
+assistant calls the tool, the observation holds its output, the assistant answers;
+`--no_tool_fraction=0.7` makes 70% of them answer directly instead, without the tool.
+`--task=arith --options=ops=+ --think_fraction=0.3`: 30% of the answers come after a
+column-by-column working in the reasoning block (thinking on), the rest after an empty one.
 """
 
 import dataclasses
@@ -21,13 +24,19 @@ _OPTIONS = flags.DEFINE_string("options", "", "task options, k=v,k=v (the task's
 _N = flags.DEFINE_integer("n", 5000, "training conversations")
 _SEED = flags.DEFINE_integer("seed", 0, "problem draw seed")
 _OUT = flags.DEFINE_string("out", None, "output JSONL path", required=True)
+_NO_TOOL = flags.DEFINE_float("no_tool_fraction", 0.0,
+                              "tool tasks: fraction of conversations answered without the tool")
+_THINK = flags.DEFINE_float("think_fraction", 0.0,
+                            "arith with ops=+: fraction of conversations with worked reasoning")
 
 
 def main(argv):
   del argv
   defaults = dataclasses.asdict(tasks.get(_TASK.value).config)
   options = common.parse_arg(_OPTIONS.value, **defaults).to_dict()
-  n = tasks.get(_TASK.value, **options).write_sft(_OUT.value, _N.value, _SEED.value)
+  n = tasks.get(_TASK.value, **options).write_sft(_OUT.value, _N.value, _SEED.value,
+                                                      no_tool_fraction=_NO_TOOL.value,
+                                                      think_fraction=_THINK.value)
   print(f"wrote {n} {_TASK.value} conversations to {_OUT.value}")
 
 

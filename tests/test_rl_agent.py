@@ -92,7 +92,7 @@ def test_tool_episode_row_is_render_of_the_conversation_and_loss_is_the_samples(
   p1, o1 = _step(ep, rng, _call(p.prompt[len("calc: "):]), version=3)
   p2, o2 = _step(ep, rng, _answer(p.answer), version=4)
   assert ep.done and ep.status == "ok" and ep.reward == 1.0 and ep.error is None
-  assert ep.new_session is False and ep.turns == 2
+  assert ep.new_session is False and (ep.turns, ep.tool_turns) == (2, 1)
   [tr] = ep.trajectories()
   # TITO: the row is what was submitted and what the engine generated, in order, and it is
   # the chat rendering of the conversation the episode holds.
@@ -115,7 +115,7 @@ def test_tool_episode_row_is_render_of_the_conversation_and_loss_is_the_samples(
 def test_a_wrong_final_answer_is_ok_with_reward_zero(rng):
   ep = _episode()
   _step(ep, rng, _answer("12"))
-  assert (ep.done, ep.status, ep.reward, ep.turns) == (True, "ok", 0.0, 1)
+  assert (ep.done, ep.status, ep.reward, ep.turns, ep.tool_turns) == (True, "ok", 0.0, 1, 0)
 
 
 def test_unparsable_tool_call_ends_ok_with_reward_zero_and_the_error(rng):
@@ -419,3 +419,34 @@ def test_chat_cli_reads_stdin_with_a_saved_checkpoint(tmp_path, tiny_cfg, tiny_p
                         f"--checkpoint={tmp_path / 'missing'}"], input="", capture_output=True,
                        text=True, timeout=300)
   assert bad.returncode != 0 and "error:" in bad.stderr
+
+
+class _BatchEngine:
+  """`engine.generate` as the GRPO evaluation calls it, each response's ids from `script`."""
+  max_batch = 2
+
+  def __init__(self, script):
+    self.script, self.prompts = list(script), []
+
+  def generate(self, prompts, sampling):
+    assert sampling.temperature == 0.0
+    self.prompts += prompts
+    return [GenerationOutput(0, ids, [0.0] * len(ids), [0] * len(ids), "stop")
+            for ids in (self.script.pop(0) for _ in prompts)]
+
+
+def test_heldout_accuracy_counts_answers_and_thinking_turns():
+  from glm5_jax.rl import rewards  # pylint: disable=g-import-not-at-top
+  from glm5_jax.rl import rollout  # pylint: disable=g-import-not-at-top
+  arith = tasks.get("arith", min_digits=1, max_digits=2, ops="+")
+  problems = arith.problems("heldout", 3, seed=0)
+  worked = lambda p, answer: {"role": "assistant", "content": answer,
+                              "reasoning": arith.reasoning(p)}
+  engine = _BatchEngine([_turn_ids(_answer(problems[0].answer), thinking=True),
+                         _turn_ids(worked(problems[1], problems[1].answer), thinking=True),
+                         _turn_ids(worked(problems[2], "x"), thinking=True)])
+  ev = rollout.heldout_accuracy(engine, arith, rewards.get("arith"), problems, TOK,
+                                max_new_tokens=32, enable_thinking=True)
+  assert ev == {"accuracy": 2 / 3, "reward_mean": 2 / 3, "thinking_rate": 2 / 3, "problems": 3}
+  assert engine.prompts == [rollout.prompt_ids(arith, p, TOK, enable_thinking=True)
+                            for p in problems]

@@ -334,3 +334,39 @@ def test_python_memory_hog_scores_zero(mul_add):
 ])
 def test_python_code_cannot_fake_the_pass_line(mul_add, cheat):
   assert _reward(mul_add, cheat) == 0.0
+
+
+def test_arith_reasoning_is_the_column_addition_of_the_answer():
+  task = tasks.get("arith", min_digits=1, max_digits=4, ops="+")
+  for p in task.problems("train", 300, _seeds("test_arith_reasoning_column_addition", 1)[0]):
+    a, b = (int(x) for x in p.prompt[:-1].split("+"))
+    steps = [re.fullmatch(r"(\d)\+(\d)(?:\+(1))?=(\d+)", s).groups()
+             for s in task.reasoning(p).split(",")]
+    width = max(len(str(a)), len(str(b)))
+    assert len(steps) == width
+    carry = 0
+    for k, (x, y, c, total) in enumerate(steps):      # ones column first
+      assert (int(x), int(y)) == (a // 10**k % 10, b // 10**k % 10)
+      assert int(c or 0) == carry and int(total) == int(x) + int(y) + carry
+      carry = int(total) // 10
+    assert steps[-1][3] + "".join(str(int(s[3]) % 10) for s in steps[-2::-1]) == p.answer
+  with pytest.raises(ValueError, match="'\\+' only"):
+    task.reasoning(_problem("arith", "3-4=", "-1"))
+
+
+def test_think_fraction_mixes_worked_reasoning_into_the_sft_data(tmp_path):
+  task = tasks.get("arith", min_digits=1, max_digits=2, ops="+")
+  path = str(tmp_path / "mix.jsonl")
+  assert task.write_sft(path, 300, seed=5, think_fraction=0.3) == 300
+  recs = [json.loads(line) for line in open(path)]
+  thinking = [r["messages"][-1]["reasoning"] is not None for r in recs]
+  assert 0.22 < np.mean(thinking) < 0.38            # 0.3 of 300, binomial sigma 0.026
+  for r, p, t in zip(recs, task.problems("train", 300, seed=5), thinking):
+    want = tasks.sft_record(p)
+    if t:
+      want["messages"][-1]["reasoning"] = task.reasoning(p)
+    assert r == want
+  with pytest.raises(ValueError, match="think_fraction=-0.1"):
+    task.write_sft(path, 5, seed=5, think_fraction=-0.1)
+  with pytest.raises(ValueError, match="'strings' writes no reasoning.*arith"):
+    tasks.get("strings").write_sft(path, 5, seed=5, think_fraction=0.5)

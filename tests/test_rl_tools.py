@@ -227,3 +227,25 @@ def test_write_sft_data_cli_writes_tool_conversations(tmp_path):
   assert all(r["messages"][1]["tool_calls"][0]["name"] == "calculator" for r in recs)
   for r in recs:
     chat.validate(r, "written")
+
+
+def test_no_tool_fraction_mixes_direct_answers_into_the_tool_sft_data(tmp_path):
+  task = tasks.get("tool_calc", min_digits=1, max_digits=2)
+  path = str(tmp_path / "mix.jsonl")
+  assert task.write_sft(path, 400, seed=3, no_tool_fraction=0.7) == 400
+  recs = [json.loads(line) for line in open(path)]
+  problems = task.problems("train", 400, seed=3)
+  direct = [len(r["messages"]) == 2 for r in recs]
+  assert 0.63 < np.mean(direct) < 0.77            # 0.7 of 400, binomial sigma 0.023
+  for r, p, d in zip(recs, problems, direct):
+    chat.validate(r, "written")
+    assert r == (tasks.sft_record(p) if d else task.sft_record(p))
+  again = str(tmp_path / "again.jsonl")
+  task.write_sft(again, 400, seed=3, no_tool_fraction=0.7)
+  assert open(again).read() == open(path).read()
+  task.write_sft(again, 50, seed=3, no_tool_fraction=0.0)
+  assert all(len(json.loads(line)["messages"]) == 4 for line in open(again))
+  with pytest.raises(ValueError, match="no_tool_fraction=1.5"):
+    task.write_sft(again, 5, seed=3, no_tool_fraction=1.5)
+  with pytest.raises(ValueError, match="'arith' calls no tools"):
+    tasks.get("arith").write_sft(again, 5, seed=3, no_tool_fraction=0.5)

@@ -132,3 +132,20 @@ def test_summary_reports_grpo_and_the_async_rl_stage(tmp_path):
       "topk_positions_compared": 22.0, "staleness_max": 1.0, "trainer_idle_ratio": 0.2}
   assert ("async RL (2 updates, staleness <= 1): held-out accuracy 0.625 -> 0.750; "
           "|dlogp| max 0, top-k mismatches 0 of 22") in main_job_report.table(s)
+
+
+def test_main_job_writes_its_sft_data_first_and_a_bad_task_option_stops_it(tmp_path):
+  from configs import main_job  # pylint: disable=g-import-not-at-top
+  from experiments import main_job_stages  # pylint: disable=g-import-not-at-top
+  c = main_job.get_config()
+  with c.unlocked():
+    c.post.sft_conversations = 50
+  path = main_job_stages._write_sft_data(c, str(tmp_path / "ok"))
+  recs = [json.loads(line) for line in open(path)]
+  assert len(recs) == 50 and 0 < sum(r["messages"][-1]["reasoning"] is not None
+                                     for r in recs) < 50
+  with c.unlocked():
+    c.post.task_options.ops = "+-"
+  with pytest.raises(ValueError, match="'\\+' only"):
+    main_job_stages.run_all(c, str(tmp_path / "bad"))
+  assert not os.path.exists(tmp_path / "bad" / "pretrain")

@@ -121,6 +121,7 @@ class Episode:
     self.tools: tuple[str, ...] = tuple(getattr(task, "tools", ()))
     self.messages = problem_lib.prompt_messages(problem, system=system)
     self.turns = 0
+    self.tool_turns = 0        # assistant turns that called a tool
     self.done, self.status, self.reward, self.error = False, "ok", 0.0, None
     self.last_turn: chat.AssistantTurn | None = None
     self._segments: list[_Segment] = []
@@ -154,6 +155,7 @@ class Episode:
     self._segments[-1].add_generated(out)
     self.turns += 1
     turn = self.last_turn = chat.parse_assistant(out.token_ids, self.tokenizer)
+    self.tool_turns += bool(turn.tool_calls)
     if turn.ended_by is None or out.finish_reason != "stop":
       self._end("truncated", f"turn {self.turns} cut off ({out.finish_reason}, "
                 f"{len(out.token_ids)} tokens, no stop token)")

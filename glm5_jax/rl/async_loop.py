@@ -526,6 +526,7 @@ class Trainer:
     rewards = np.asarray([ep.reward for ep in ended])
     return {"success_rate": float(np.mean(rewards >= 1.0)),
             "reward_mean": float(rewards.mean()), "problems": float(len(ended)),
+            "tool_use_rate": float(np.mean([ep.tool_turns > 0 for ep in ended])),
             "eval_s": time.perf_counter() - t0}
 
   # ------------------------------------------------------------------ checkpoints

@@ -92,15 +92,18 @@ def rollout(engine, task, reward_fn, problems, tokenizer, *, group_size: int,
 
 def heldout_accuracy(engine, task, reward_fn, problems, tokenizer, *, max_new_tokens: int,
                      enable_thinking: bool = False) -> dict:
-  """Greedy decoding on `problems`: accuracy (reward == 1) and mean reward."""
+  """Greedy decoding on `problems`: accuracy (reward == 1), mean reward, and the fraction of
+  responses with a non-empty reasoning block (thinking_rate)."""
   stop = chat.stop_ids(tokenizer)
   sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stop)
-  rewards = []
+  rewards, thought = [], []
   for lo in range(0, len(problems), engine.max_batch):
     chunk = problems[lo:lo + engine.max_batch]
     prompts = [prompt_ids(task, p, tokenizer, enable_thinking=enable_thinking) for p in chunk]
     for p, out in zip(chunk, engine.generate(prompts, sp)):
-      rewards.append(score(reward_fn, p, out.token_ids, tokenizer, out.finish_reason)[0])
+      reward, turn, _ = score(reward_fn, p, out.token_ids, tokenizer, out.finish_reason)
+      rewards.append(reward)
+      thought.append(turn.reasoning is not None)
   r = np.asarray(rewards, np.float64)
   return {"accuracy": float(np.mean(r >= 1.0)), "reward_mean": float(np.mean(r)),
-          "problems": len(r)}
+          "thinking_rate": float(np.mean(thought)), "problems": len(r)}

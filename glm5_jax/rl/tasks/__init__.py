@@ -46,6 +46,7 @@ from glm5_jax.rl.tasks.problem import prompt_messages
 from glm5_jax.rl.tasks.problem import sft_record
 from glm5_jax.rl.tasks.problem import split_of
 
+_MIX_STREAM = 7   # the random stream of `write_sft`'s demonstrator choices, apart from the draws
 _MODULES = {m.NAME: m for m in (arith, strings, python_functions)}
 # Multi-turn tasks solved with tools (glm5_jax/rl/tools.py; episodes: glm5_jax/rl/agent.py).
 _TOOL_MODULES = {m.NAME: m for m in (tool_calc, tool_search, tool_python)}
@@ -69,6 +70,7 @@ class Task:
   tools: tuple[str, ...] = ()          # tool tasks: the tools an episode may call
   solution_calls: Callable[[Problem], list[dict]] | None = None   # tool tasks' SFT solution
   solution_results: Callable[[Problem], list[str]] | None = None  # its outputs, if known
+  reasoning: Callable[[Problem], str] | None = None   # worked reasoning for SFT (think_fraction)
 
   def problems(self, split: str, n: int, seed: int) -> list[Problem]:
     """n distinct problems of `split` ("train" / "heldout"), deterministic for `seed`."""
@@ -86,14 +88,43 @@ class Task:
     """The conversation up to the assistant's first turn: [system?, user]."""
     return problem_lib.prompt_messages(problem, system=system)
 
-  def write_sft(self, path: str, n: int, seed: int, *, system: str | None = None) -> int:
-    """Writes n training conversations (JSONL, one `sft_record` a line); returns n."""
-    if self.solution_calls is None:
-      return problem_lib.write_jsonl(path, self.problems("train", n, seed), system=system)
+  def write_sft(self, path: str, n: int, seed: int, *, system: str | None = None,
+                no_tool_fraction: float = 0.0, think_fraction: float = 0.0) -> int:
+    """Writes n training conversations (JSONL, one `sft_record` a line); returns n.
+
+    Mixed demonstrators, each record's choice drawn with `seed`, so that the SFT model has
+    two behaviours and RL has to learn which one pays (docs/post_training.md,
+    docs/agentic_rl_results.md):
+      no_tool_fraction (tool tasks): this fraction answers in one assistant turn, without
+        calling the tool;
+      think_fraction (tasks with `reasoning`, e.g. arith with ops='+'): this fraction carries
+        the task's worked reasoning in the assistant's reasoning block (thinking on); the
+        others have the empty block.
+    """
+    _check_fraction("no_tool_fraction", no_tool_fraction, self.solution_calls is not None,
+                    f"task {self.name!r} calls no tools; it applies to {tool_names()}")
+    _check_fraction("think_fraction", think_fraction, self.reasoning is not None,
+                    f"task {self.name!r} writes no reasoning; it applies to "
+                    f"{tuple(k for k, m in _MODULES.items() if hasattr(m, 'reasoning'))}")
+    u = np.random.default_rng([int(seed), _MIX_STREAM]).random(n)
+    records = []                 # all of them first: a bad option fails before the file opens
+    for p, u_i in zip(self.problems("train", n, seed), u):
+      if u_i < no_tool_fraction:
+        records.append(problem_lib.sft_record(p, system=system))
+      else:
+        records.append(self.sft_record(p, system=system))
+      if u_i < think_fraction:
+        records[-1]["messages"][-1]["reasoning"] = self.reasoning(p)
     with open(path, "w") as f:
-      for p in self.problems("train", n, seed):
-        f.write(json.dumps(self.sft_record(p, system=system)) + "\n")
+      f.writelines(json.dumps(r) + "\n" for r in records)
     return n
+
+
+def _check_fraction(name: str, value, applies: bool, why_not: str):
+  if not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
+    raise ValueError(f"{name}={value!r}: expected a number in [0, 1]")
+  if value and not applies:
+    raise ValueError(f"{name}={value}: {why_not}")
 
 
 def names() -> tuple[str, ...]:
@@ -121,4 +152,4 @@ def get(name: str, **options) -> Task:
   return Task(name, config, functools.partial(module.sample, config=config), module.check,
               module.MAX_RESPONSE_BYTES, tuple(getattr(module, "TOOLS", ())),
               getattr(module, "solution_calls", None),
-              getattr(module, "solution_results", None))
+              getattr(module, "solution_results", None), getattr(module, "reasoning", None))

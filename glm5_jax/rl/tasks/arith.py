@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import re
 
 import numpy as np
 
@@ -57,6 +58,25 @@ def sample(rng: np.random.Generator, config: Config) -> problem_lib.Content:
   op = config.ops[int(rng.integers(len(config.ops)))]
   a, b = _operand(rng, config), _operand(rng, config)
   return problem_lib.Content(f"{a}{op}{b}=", str(OPS[op](a, b)))
+
+
+def reasoning(problem) -> str:
+  """The column-by-column working of an addition, the SFT reasoning block: "37+45=" ->
+  "7+5=12,3+4+1=8" (ones first, each column's digits, the carry, its sum; a missing digit is
+  0). The answer is the last column's sum, then the earlier columns' last digits, backwards.
+  """
+  a, op, b = re.fullmatch(r"(\d+)([-+*])(\d+)=", problem.prompt).groups()
+  if op != "+":
+    raise ValueError(f"arith reasoning: problem {problem.id!r} ({problem.prompt!r}): worked "
+                     "reasoning is written for '+' only; use ops='+' with think_fraction")
+  width = max(len(a), len(b))
+  a, b = a.zfill(width)[::-1], b.zfill(width)[::-1]
+  steps, carry = [], 0
+  for x, y in zip(a, b):
+    total = int(x) + int(y) + carry
+    steps.append(f"{x}+{y}" + (f"+{carry}" if carry else "") + f"={total}")
+    carry = total // 10
+  return ",".join(steps)
 
 
 check = problem_lib.exact_answer

@@ -103,11 +103,3 @@ def sft_record(problem: Problem, *, system: str | None = None) -> dict:
   """{"id", "messages": [system?, user, assistant]}, the reference answer with thinking off."""
   answer = {"role": "assistant", "content": problem.answer, "reasoning": None}
   return {"id": problem.id, "messages": prompt_messages(problem, system=system) + [answer]}
-
-
-def write_jsonl(path: str, problems: list[Problem], *, system: str | None = None) -> int:
-  """Writes one `sft_record` per line to `path`; returns the number of records."""
-  with open(path, "w") as f:
-    for p in problems:
-      f.write(json.dumps(sft_record(p, system=system)) + "\n")
-  return len(problems)
