@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import zlib
 from typing import Callable, NamedTuple
 
