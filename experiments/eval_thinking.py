@@ -61,6 +61,9 @@ def _row(engine, task, problems, tok, sampling, k) -> dict:
 
 def main(argv):
   del argv
+  if _TASK.value not in tasks.names():
+    raise SystemExit(f"error: --task={_TASK.value!r}: expected a single-turn task, one of "
+                     f"{tasks.names()}")
   defaults = dataclasses.asdict(tasks.get(_TASK.value).config)
   task = tasks.get(_TASK.value, **common.parse_arg(_OPTIONS.value, **defaults).to_dict())
   try:
