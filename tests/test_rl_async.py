@@ -70,9 +70,13 @@ def _check_run(workdir, c):
 
 
 def test_local_loop_with_faults(init_dir, tmp_path):
-  """Worker 0 killed after 1 s and environments crashing 30% of the time: the run finishes,
+  """Worker 0 killed after 0.5 s and environments crashing 30% of the time: the run finishes,
   the worker is restarted, crashed rollouts are filtered and refilled, the ledger is clean."""
-  c = small_config(init_dir, faults={"kill_worker_after_s": 1.0, "env_crash_rate": 0.3})
+  # Killed at 0.5 s and found silent 2 s later: before the first update can be ready (the
+  # workers' engines compile first), even on a fast machine (a 4 s timeout once let all 3
+  # updates finish before the kill was noticed).
+  c = small_config(init_dir, faults={"kill_worker_after_s": 0.5, "env_crash_rate": 0.3},
+                   heartbeat_timeout_s=2.0)
   workdir = str(tmp_path / "run")
   async_loop.run(c, workdir)
   rows = _check_run(workdir, c)
