@@ -43,17 +43,10 @@ _BATCH = flags.DEFINE_integer("batch", 128, "engine slots")
 
 
 def _row(engine, task, problems, tok, sampling, k) -> dict:
-  reward_fn, rows = rewards.get(task.name), []
-  per_call = max(1, engine.max_batch // k)
-  for lo in range(0, len(problems), per_call):
-    chunk = problems[lo:lo + per_call]
-    prompts = [rollout.prompt_ids(task, p, tok, enable_thinking=True)
-               for p in chunk for _ in range(k)]
-    for i, out in enumerate(engine.generate(prompts, sampling)):
-      reward, turn, _ = rollout.score(reward_fn, chunk[i // k], out.token_ids, tok,
-                                      out.finish_reason)
-      rows.append((reward >= 1.0, turn.reasoning is not None))
-  ok, think = np.asarray(rows, bool).T
+  rows = rollout.scored_responses(engine, task, rewards.get(task.name), problems, tok, sampling,
+                                  samples=k, enable_thinking=True)
+  ok = np.asarray([reward >= 1.0 for reward, _ in rows])
+  think = np.asarray([turn.reasoning is not None for _, turn in rows])
   mean = lambda x: float(np.mean(x)) if x.size else float("nan")
   return {"responses": len(rows), "accuracy": mean(ok), "thinking_rate": mean(think),
           "accuracy_thinking": mean(ok[think]), "accuracy_direct": mean(ok[~think])}

@@ -90,20 +90,31 @@ def rollout(engine, task, reward_fn, problems, tokenizer, *, group_size: int,
                  "response_len_mean": float(np.mean(lens))}
 
 
+def scored_responses(engine, task, reward_fn, problems, tokenizer, sampling: SamplingParams, *,
+                     samples: int = 1, enable_thinking: bool = False) -> list:
+  """Each problem answered `samples` times through `engine.generate`, in calls of at most
+  `engine.max_batch` requests: [(reward, parsed turn)], problem-major."""
+  rows, per_call = [], max(1, engine.max_batch // samples)
+  for lo in range(0, len(problems), per_call):
+    chunk = problems[lo:lo + per_call]
+    prompts = [prompt_ids(task, p, tokenizer, enable_thinking=enable_thinking)
+               for p in chunk for _ in range(samples)]
+    for i, out in enumerate(engine.generate(prompts, sampling)):
+      reward, turn, _ = score(reward_fn, chunk[i // samples], out.token_ids, tokenizer,
+                              out.finish_reason)
+      rows.append((reward, turn))
+  return rows
+
+
 def heldout_accuracy(engine, task, reward_fn, problems, tokenizer, *, max_new_tokens: int,
                      enable_thinking: bool = False) -> dict:
   """Greedy decoding on `problems`: accuracy (reward == 1), mean reward, and the fraction of
   responses with a non-empty reasoning block (thinking_rate)."""
-  stop = chat.stop_ids(tokenizer)
-  sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stop)
-  rewards, thought = [], []
-  for lo in range(0, len(problems), engine.max_batch):
-    chunk = problems[lo:lo + engine.max_batch]
-    prompts = [prompt_ids(task, p, tokenizer, enable_thinking=enable_thinking) for p in chunk]
-    for p, out in zip(chunk, engine.generate(prompts, sp)):
-      reward, turn, _ = score(reward_fn, p, out.token_ids, tokenizer, out.finish_reason)
-      rewards.append(reward)
-      thought.append(turn.reasoning is not None)
-  r = np.asarray(rewards, np.float64)
+  sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
+                      stop_token_ids=chat.stop_ids(tokenizer))
+  rows = scored_responses(engine, task, reward_fn, problems, tokenizer, sp,
+                          enable_thinking=enable_thinking)
+  r = np.asarray([reward for reward, _ in rows], np.float64)
   return {"accuracy": float(np.mean(r >= 1.0)), "reward_mean": float(np.mean(r)),
-          "thinking_rate": float(np.mean(thought)), "problems": len(r)}
+          "thinking_rate": float(np.mean([turn.reasoning is not None for _, turn in rows])),
+          "problems": len(r)}
