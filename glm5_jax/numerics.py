@@ -13,9 +13,10 @@ and the trainer's own log-probs moved by 1.7e-6 when its padding changed from 32
 With YNNPACK fusions off, XLA:CPU's dots go to Eigen, which is row-invariant at these
 shapes: engine and trainer log-probs are then bitwise equal (tests/test_rl_grpo.py).
 Speed is about the same (tiny train step 0.47 -> 0.57 s, small 15.2 -> 13.3 s here).
-Even with Eigen, XLA:CPU runs a batched dot over a single row with another kernel, and the
-MoE's dispatch depends on the token count; the engine therefore pads each device call to a
-few tokens (`inference.engine.invariant_tokens`, `Engine(batch_invariant=True)`).
+Even with Eigen, XLA:CPU runs a batched dot over a single row with another kernel; the
+engine therefore pads each device call to two tokens (`inference.engine.invariant_tokens`,
+`Engine(batch_invariant=True)`). The MoE's CPU kernel (`nn/ffn.py` `blocked_swiglu`) is
+row-invariant at every token count.
 
 The flag is read when JAX creates its CPU backend, so `batch_invariant_cpu()` must run
 before the first computation; the RL entry points, the main job and the tests call it at

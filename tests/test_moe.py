@@ -51,7 +51,7 @@ def test_bias_changes_selection_but_not_weights(rng):
   np.testing.assert_allclose(wts, picked / picked.sum(-1, keepdims=True) * 2.5, rtol=1e-5)
 
 
-def test_grouped_swiglu_equals_token_loop(rng):
+def test_ragged_swiglu_equals_token_loop(rng):
   n, d, i, e, k = 11, 6, 5, 4, 2
   x = rng.normal(size=(n, d))
   ids = np.stack([rng.permutation(e)[:k] for _ in range(n)])
@@ -63,7 +63,7 @@ def test_grouped_swiglu_equals_token_loop(rng):
     for j in range(k):
       ex = ids[t, j]
       want[t] += wts[t, j] * ((silu(x[t] @ wg[ex]) * (x[t] @ wu[ex])) @ wd[ex])
-  got, counts = ffn.grouped_swiglu(*(jnp.asarray(a, jnp.float32) for a in (x,)), jnp.asarray(ids),
+  got, counts = ffn.ragged_swiglu(*(jnp.asarray(a, jnp.float32) for a in (x,)), jnp.asarray(ids),
                                    *(jnp.asarray(a, jnp.float32) for a in (wts, wg, wu, wd)))
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
   np.testing.assert_array_equal(counts, np.bincount(ids.ravel(), minlength=e))
@@ -80,7 +80,7 @@ def _np_swiglu_loop(x, ids, wts, wg, wu, wd):
   return want
 
 
-def test_gathered_swiglu_equals_grouped_and_token_loop(rng):
+def test_gathered_swiglu_equals_ragged_and_token_loop(rng):
   n, d, i, e, k = 3, 6, 5, 8, 2                    # n*K < E: the decode regime
   x = rng.normal(size=(n, d))
   shared = int(rng.integers(e))                    # one expert repeated across all tokens
@@ -91,7 +91,7 @@ def test_gathered_swiglu_equals_grouped_and_token_loop(rng):
   f32 = lambda a: jnp.asarray(a, jnp.float32)
   args = (f32(x), jnp.asarray(ids, jnp.int32), f32(wts), f32(wg), f32(wu), f32(wd))
   got, counts = ffn.gathered_swiglu(*args)
-  ref, ref_counts = ffn.grouped_swiglu(*args)
+  ref, ref_counts = ffn.ragged_swiglu(*args)
   want = _np_swiglu_loop(x, ids, wts, wg, wu, wd)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
@@ -101,12 +101,70 @@ def test_gathered_swiglu_equals_grouped_and_token_loop(rng):
   assert counts[shared] == n
 
 
+def _pairs(rng, n, d, i, e, k, skew=False):
+  """float64 MoE inputs. skew: expert 1 takes about half the pairs, the last expert none."""
+  p = np.full(e, 1.0)
+  if skew:
+    p[1], p[-1] = e, 0.0
+  ids = np.stack([rng.choice(e, k, replace=False, p=p / p.sum()) for _ in range(n)])
+  x, wts = rng.normal(size=(n, d)), rng.random(size=(n, k))
+  w = (rng.normal(size=(e, d, i)), rng.normal(size=(e, d, i)), rng.normal(size=(e, i, d)))
+  return x, ids, wts, w
+
+
+@pytest.mark.parametrize("n,e,k,skew", [(11, 4, 2, False), (40, 8, 2, True), (300, 8, 2, False),
+                                        (70, 32, 4, True)])
+def test_blocked_swiglu_equals_ragged_dot_and_token_loop(rng, n, e, k, skew):
+  x, ids, wts, (wg, wu, wd) = _pairs(rng, n, 6, 5, e, k, skew)
+  f32 = lambda a: jnp.asarray(a, jnp.float32)
+  args = (f32(x), jnp.asarray(ids, jnp.int32), f32(wts), f32(wg), f32(wu), f32(wd))
+  got, counts = jax.jit(ffn.blocked_swiglu)(*args)
+  ref, ref_counts = jax.jit(ffn.ragged_swiglu)(*args)
+  np.testing.assert_allclose(got, _np_swiglu_loop(x, ids, wts, wg, wu, wd), rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(counts, ref_counts)
+  np.testing.assert_array_equal(counts, np.bincount(ids.ravel(), minlength=e))
+  # On this (CPU) backend routed_swiglu is the blocked kernel, bit for bit, in both regimes.
+  for kernel in (ffn.ragged_swiglu, ffn.gathered_swiglu):
+    routed = jax.jit(lambda *a, kernel=kernel: ffn.routed_swiglu(kernel, *a))(*args)
+    np.testing.assert_array_equal(routed[0], got)
+    np.testing.assert_array_equal(routed[1], counts)
+
+
+def test_blocked_swiglu_rows_do_not_depend_on_the_other_rows(rng):
+  """The engine pads a few rows; the trainer runs thousands: each row's result must be the
+  same bits in both (glm5_jax/numerics.py). 8, 64 and 512 rows take block sizes 16/32/128."""
+  x, ids, wts, (wg, wu, wd) = _pairs(rng, 512, 64, 32, 8, 2)
+  f32 = lambda a: jnp.asarray(a, jnp.float32)
+  w = (f32(wg), f32(wu), f32(wd))
+  full = jax.jit(ffn.blocked_swiglu)(f32(x), jnp.asarray(ids), f32(wts), *w)[0]
+  for n in (8, 64):
+    assert ffn.block_rows(n * 2, 8) != ffn.block_rows(512 * 2, 8)
+    part = jax.jit(ffn.blocked_swiglu)(f32(x[-n:]), jnp.asarray(ids[-n:]), f32(wts[-n:]), *w)[0]
+    np.testing.assert_array_equal(part, full[-n:])
+
+
+def test_blocked_swiglu_gradients_equal_ragged_dot(rng):
+  x, ids, wts, w = _pairs(rng, 40, 6, 5, 8, 2, skew=True)
+  f32 = lambda a: jnp.asarray(a, jnp.float32)
+  cot = f32(rng.normal(size=x.shape))
+  grads = [jax.grad(lambda x, wts, *w, f=f: jnp.sum(f(x, jnp.asarray(ids), wts, *w)[0] * cot),
+                    argnums=range(5))(f32(x), f32(wts), *map(f32, w))
+           for f in (ffn.blocked_swiglu, ffn.ragged_swiglu)]
+  for g, r in zip(*grads):
+    np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+
+
+def test_block_rows_is_a_power_of_two_near_the_mean_rows_per_expert():
+  assert [ffn.block_rows(p, 32) for p in (1, 32, 256, 1024, 2048, 8192, 10 ** 6)] == [
+      16, 16, 16, 32, 64, 128, 128]
+
+
 def test_select_dispatch_by_token_count():
   cfg = config_lib.get_preset("tiny")             # E = 8, K = 2; no mesh: no expert parallelism
-  assert moe.select_dispatch(cfg, 1) is ffn.gathered_swiglu
-  assert moe.select_dispatch(cfg, 3) is ffn.gathered_swiglu
-  assert moe.select_dispatch(cfg, 4) is ffn.grouped_swiglu
-  assert moe.select_dispatch(cfg, 64) is ffn.grouped_swiglu
+  kernel = lambda n: (moe.select_dispatch(cfg, n).func, *moe.select_dispatch(cfg, n).args)
+  assert kernel(1) == kernel(3) == (ffn.routed_swiglu, ffn.gathered_swiglu)
+  assert kernel(4) == kernel(64) == (ffn.routed_swiglu, ffn.ragged_swiglu)
 
 
 def _moe_and_params(rng, cfg):
@@ -123,21 +181,21 @@ def _moe_and_params(rng, cfg):
 def test_moe_gather_path_equals_grouped_path_on_padded_batch(rng, monkeypatch):
   cfg = config_lib.get_preset("tiny")
   module, params = _moe_and_params(rng, cfg)
-  used = []
-  for name in ("gathered_swiglu", "grouped_swiglu"):
-    fn = getattr(moe, name)
-    monkeypatch.setattr(moe, name, lambda *a, _fn=fn, _n=name: (used.append(_n), _fn(*a))[1])
+  used = []                                       # the accelerator kernel each call selects
+  select = moe.select_dispatch
+  monkeypatch.setattr(moe, "select_dispatch",
+                      lambda *a: (lambda f: (used.append(f.args[0].__name__), f)[1])(select(*a)))
   x_few = jnp.asarray(rng.normal(size=(1, 3, cfg.hidden_size)), jnp.float32)   # n*K = 6 < 8
   y_few, load_few = module.apply(params, x_few)
   assert used == ["gathered_swiglu"]
   # Real rows first in a larger batch of random rows: grouped path, same real rows.
   x_pad = jnp.asarray(rng.normal(size=(2, 8, cfg.hidden_size)), jnp.float32).at[0, :3].set(x_few[0])
   y_pad, _ = module.apply(params, x_pad)
-  assert used[1:] == ["grouped_swiglu"]
+  assert used[1:] == ["ragged_swiglu"]
   np.testing.assert_allclose(y_pad[0, :3], y_few[0], rtol=1e-5, atol=1e-5)
   # The real rows repeated 4x: the same expert load fractions, through the grouped path.
   y_rep, load_rep = module.apply(params, jnp.tile(x_few, (4, 1, 1)))
-  assert used[2:] == ["grouped_swiglu"]
+  assert used[2:] == ["ragged_swiglu"]
   np.testing.assert_allclose(y_rep, jnp.tile(y_few, (4, 1, 1)), rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(load_few, load_rep)
   ids, _ = moe.route(cfg, x_few[0], params["params"]["router"]["kernel"],

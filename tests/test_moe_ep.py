@@ -27,8 +27,8 @@ _SETUP = """
 
 _SCRIPT = textwrap.dedent(_SETUP + """
   loss = lambda f: lambda x, *w: jnp.sum(f(x, ids, wts, *w)[0] ** 2)
-  ref, ref_counts = ffn.grouped_swiglu(x, ids, wts, *w)
-  ref_g = jax.grad(loss(ffn.grouped_swiglu), range(4))(x, *w)
+  ref, ref_counts = ffn.ragged_swiglu(x, ids, wts, *w)
+  ref_g = jax.grad(loss(ffn.ragged_swiglu), range(4))(x, *w)
   for sizes in ({"data": 1, "fsdp": 1, "expert": 8, "tensor": 1},
                 {"data": 2, "fsdp": 1, "expert": 2, "tensor": 2}):
     with jax.set_mesh(shd.make_mesh(sizes)):
@@ -60,7 +60,7 @@ _CAPACITY = textwrap.dedent(_SETUP + """
   assert 0.5 < float(kept.mean()) < 1.0, kept.mean()
   with jax.set_mesh(shd.make_mesh({"data": 2, "fsdp": 1, "expert": 4, "tensor": 1})):
     f = lambda c: lambda x, *w: moe_ep.ep_grouped_swiglu(x, ids, wts, *w, capacity_factor=c)
-    ref_f = lambda x, *w: ffn.grouped_swiglu(x, ids, jnp.where(kept, wts, 0), *w)
+    ref_f = lambda x, *w: ffn.ragged_swiglu(x, ids, jnp.where(kept, wts, 0), *w)
     fwd = jax.jit(f(1.0))
     np.testing.assert_allclose(fwd(x, *w)[0], ref_f(x, *w)[0], rtol=1e-5, atol=1e-5)
     g_c = jax.jit(jax.grad(lambda x, *w: jnp.sum(f(1.0)(x, *w)[0] ** 2), range(4)))(x, *w)

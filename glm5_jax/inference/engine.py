@@ -36,13 +36,14 @@ log-prob is exactly that of a full forward under its recorded version.
 
 Batch invariance (`batch_invariant=True`, the default): a request's log-probs and top-k do
 not depend on which other requests share its device calls, so they equal the trainer's full
-forward bitwise on XLA:CPU (glm5_jax/numerics.py). Two things would otherwise change with
-the call's size: XLA:CPU runs a one-row batched dot with another kernel, and the MoE takes its
-gathered dispatch (another summation order; nn/moe.py `select_dispatch`) below E/K tokens.
-So every call has at least `invariant_tokens(cfg)` tokens (max(2, E/K)), idle lanes padding
-it. The one cost is lone-request decoding (e.g. 32 lanes instead of 1 for GLM-5's 256 / 8
-experts); `batch_invariant=False` trades exactness (~1e-6 in log-probs) for it. Under a mesh
-every call runs all `max_batch` slots, so choose max_batch >= invariant_tokens x shards.
+forward bitwise on XLA:CPU (glm5_jax/numerics.py). XLA:CPU runs a one-row batched dot with
+another kernel, so every call has at least `invariant_tokens(cfg, platform)` tokens, idle
+lanes padding it: 2 on CPU, whose MoE kernel (`ffn.blocked_swiglu`) is row-invariant at any
+token count; elsewhere max(2, E/K), since below E/K tokens the MoE takes its gathered kernel
+(another summation order; nn/moe.py `select_dispatch`), e.g. 32 lanes instead of 1 for
+GLM-5's 256 / 8 experts. `batch_invariant=False` trades exactness (~1e-6 in log-probs) for
+it. Under a mesh every call runs all `max_batch` slots, so choose max_batch >=
+invariant_tokens x shards.
 
 Shapes are bucketed so that new prompt lengths do not recompile: prefill chunks are padded
 to a power of two >= 16 (at most `prefill_chunk`), block tables to a power-of-two number of
@@ -195,11 +196,13 @@ def _pow2(n: int) -> int:
   return 1 << max(n - 1, 0).bit_length()
 
 
-def invariant_tokens(cfg) -> int:
+def invariant_tokens(cfg, platform: str = "cpu") -> int:
   """Fewest tokens per device call at which each row's result is independent of the others
-  (module docstring): 2, and ceil(E / K) if any layer (or the MTP layer) is MoE."""
+  (module docstring): 2; on a platform other than CPU, ceil(E / K) if any layer (or the MTP
+  layer) is MoE (below it the MoE takes its gathered kernel; XLA:CPU's blocked kernel runs
+  every token count)."""
   n_layers = cfg.num_hidden_layers + (1 if cfg.has_mtp else 0)
-  if any(cfg.is_moe_layer(i) for i in range(n_layers)):
+  if platform != "cpu" and any(cfg.is_moe_layer(i) for i in range(n_layers)):
     return max(2, -(-cfg.n_routed_experts // cfg.num_experts_per_tok))
   return 2
 
@@ -305,7 +308,8 @@ class Engine:
     self.steps_per_sync, self.speculative = steps_per_sync, speculative
     self.num_draft, self.rounds_per_sync, self.scheduling = num_draft, rounds_per_sync, scheduling
     self.version = version
-    self._min_tokens = invariant_tokens(cfg) if batch_invariant else 1
+    platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+    self._min_tokens = invariant_tokens(cfg, platform) if batch_invariant else 1
     self.shape_buckets = shape_buckets
     self._buckets = _buckets(self.prefill_chunk)
     self._max_table = _pow2(per_request)

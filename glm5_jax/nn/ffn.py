@@ -1,9 +1,16 @@
-"""SwiGLU feed-forward computations: the dense block, and the routed experts' two kernels.
+"""SwiGLU feed-forward computations: the dense block, and the routed experts' kernels.
 
-The MoE (nn/moe.py, docs/design.md §2.6) routes each of n tokens to K of E experts and runs them
-with one of the two kernels below (its `select_dispatch`; the expert-parallel path of
-nn/moe_ep.py runs `grouped_swiglu` on each device's local experts). Notation: n tokens,
-d hidden, E routed experts, K experts per token, I expert width.
+The MoE (nn/moe.py, docs/design.md §2.6) routes each of n tokens to K of E experts and runs
+them through `routed_swiglu` with one of the kernels below (its `select_dispatch`; the
+expert-parallel path of nn/moe_ep.py runs `ragged_swiglu` on each device's local experts):
+
+  kernel           platform        regime                 how
+  ragged_swiglu    TPU, GPU        n*K >= E               sort by expert + jax.lax.ragged_dot
+  gathered_swiglu  TPU, GPU        n*K <  E (decode)      gather each token's K matrices
+  blocked_swiglu   CPU (any n)     replaces both on CPU   sort, pad per expert to blocks of
+                                                          B rows, dense batched matmuls
+
+Notation: n tokens, d hidden, E routed experts, K experts per token, I expert width.
 """
 
 from __future__ import annotations
@@ -36,18 +43,36 @@ class MLP(nn.Module):
     return swiglu(x_btd.astype(dt), w_gate.astype(dt), w_up.astype(dt), w_down.astype(dt))
 
 
-def grouped_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid):
-  """sum_k weights[n,k] * Expert_{ids[n,k]}(x[n]) via sort + ragged_dot (dropless).
+def routed_swiglu(kernel, x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid):
+  """sum_k weights[n,k] * Expert_{ids[n,k]}(x[n]): `kernel` on TPU and GPU, `blocked_swiglu`
+  on XLA:CPU. Returns (y [n, d], tokens per expert int32 [E]).
 
-  Returns (y [n, d], tokens per expert int32 [E]).
+  The choice is made when the program is lowered (`jax.lax.platform_dependent`), so a CPU
+  host compiling for a TPU gets the TPU's kernel. On XLA:CPU `ragged_dot` costs about E
+  dense matmuls over all n*K rows; `blocked_swiglu` does n*K rows plus padding, and its rows
+  do not depend on the other rows at any n, which the engine's batch invariance relies on.
   """
-  n, k = ids_nk.shape
+  return jax.lax.platform_dependent(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi,
+                                    w_down_eid, cpu=blocked_swiglu, default=kernel)
+
+
+def _counts(ids_nk, e):
+  return jnp.bincount(ids_nk.reshape(-1), length=e).astype(jnp.int32)
+
+
+def _sort_by_expert(ids_nk):
+  """(order [n*K]: pair indices sorted by expert, stable; token_of [n*K]: their tokens)."""
+  order = jnp.argsort(ids_nk.reshape(-1), stable=True)
+  return order, order // ids_nk.shape[1]
+
+
+def ragged_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid):
+  """sum_k weights[n,k] * Expert_{ids[n,k]}(x[n]) via sort + `jax.lax.ragged_dot` (dropless;
+  one group of rows per expert). Returns (y [n, d], tokens per expert int32 [E])."""
   e = w_gate_edi.shape[0]
-  flat_ids = ids_nk.reshape(-1)                                  # [n*K]
-  order = jnp.argsort(flat_ids, stable=True)
-  token_of = order // k                                          # source token of each row
+  order, token_of = _sort_by_expert(ids_nk)
   xs = x_nd[token_of]                                            # [n*K, d], sorted by expert
-  group_sizes = jnp.bincount(flat_ids, length=e).astype(jnp.int32)
+  group_sizes = _counts(ids_nk, e)
   h = (jax.nn.silu(jax.lax.ragged_dot(xs, w_gate_edi, group_sizes))
        * jax.lax.ragged_dot(xs, w_up_edi, group_sizes))
   ys = jax.lax.ragged_dot(h, w_down_eid, group_sizes)            # [n*K, d]
@@ -56,10 +81,51 @@ def grouped_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid):
   return y, group_sizes
 
 
+def block_rows(n_pairs: int, n_experts: int) -> int:
+  """`blocked_swiglu`'s rows per block: about the mean rows per expert, a power of two in
+  [16, 128] (measured on XLA:CPU: smaller blocks copy more expert matrices, larger ones pad
+  more rows)."""
+  mean = max(n_pairs // n_experts, 1)
+  return min(128, max(16, 1 << (mean.bit_length() - 1)))
+
+
+def blocked_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid):
+  """`ragged_swiglu`'s result as dense batched matmuls over blocks of B rows of one expert.
+
+  Each expert's rows (sorted by expert) are padded to a multiple of B = `block_rows`; at most
+  min(E, n*K) experts have rows, so at most nb = (n*K + min(E, n*K)*(B-1)) / B blocks; block j multiplies its [B, d] rows by its
+  expert's matrices, gathered per block. Work is n*K rows plus the padding, not ragged_dot's
+  E x n*K on XLA:CPU, and each expert matrix is read once per block (a few tokens read only
+  their experts', like `gathered_swiglu`). Padding rows are zero and never read back. Each
+  row's result does not depend on the other rows (every block is a [B, d] matmul, B >= 16).
+  """
+  n, k = ids_nk.shape
+  e, d = w_gate_edi.shape[0], x_nd.shape[1]
+  b = block_rows(n * k, e)
+  nb = (n * k + min(e, n * k) * (b - 1)) // b
+  order, token_of = _sort_by_expert(ids_nk)
+  sizes = _counts(ids_nk, e)
+  padded_end = jnp.cumsum((sizes + b - 1) // b * b)              # [E], in rows
+  expert_of = ids_nk.reshape(-1)[order]                          # [n*K], sorted
+  rank = jnp.arange(n * k) - (jnp.cumsum(sizes) - sizes)[expert_of]
+  row = (padded_end - (sizes + b - 1) // b * b)[expert_of] + rank   # each pair's padded row
+  xs = jnp.zeros((nb * b, d), x_nd.dtype).at[row].set(x_nd[token_of]).reshape(nb, b, d)
+  block_expert = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(nb) * b, side="right"),
+                             e - 1)                              # trailing empty blocks: any
+  w_gate, w_up, w_down = (jnp.take(w, block_expert, axis=0)
+                          for w in (w_gate_edi, w_up_edi, w_down_eid))
+  h = (jax.nn.silu(jnp.einsum("bsd,bdi->bsi", xs, w_gate))
+       * jnp.einsum("bsd,bdi->bsi", xs, w_up))
+  ys = jnp.einsum("bsi,bid->bsd", h, w_down).reshape(nb * b, d)[row]    # [n*K, d], sorted
+  ys = ys * weights_nk.reshape(-1)[order][:, None].astype(ys.dtype)
+  y = jnp.zeros_like(x_nd).at[token_of].add(ys)
+  return y, sizes
+
+
 def gathered_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid):
   """sum_k weights[n,k] * Expert_{ids[n,k]}(x[n]) via a gather of each token's K experts.
 
-  Same contract as `grouped_swiglu`: returns (y [n, d], tokens per expert int32 [E]).
+  Same contract as `ragged_swiglu`: returns (y [n, d], tokens per expert int32 [E]).
   Reads n*K expert matrices ([n, K, d, I]); meant for n*K < E (see module docstring).
   """
   e = w_gate_edi.shape[0]
@@ -68,5 +134,4 @@ def gathered_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid):
        * jnp.einsum("nd,nkdi->nki", x_nd, wu))
   y_nkd = jnp.einsum("nki,nkid->nkd", h, wd)
   y = jnp.einsum("nkd,nk->nd", y_nkd, weights_nk.astype(y_nkd.dtype))
-  counts = jnp.bincount(ids_nk.reshape(-1), length=e).astype(jnp.int32)
-  return y, counts
+  return y, _counts(ids_nk, e)

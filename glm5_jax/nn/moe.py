@@ -65,22 +65,23 @@ def select_dispatch(cfg, n_tokens: int):
   """The routed-expert kernel for n_tokens tokens (static), per the module docstring table.
 
   Expert-parallel all-to-all, when active, is kept regardless of the token count;
-  otherwise gathered_swiglu when n*K < E, grouped_swiglu when n*K >= E.
+  otherwise gathered_swiglu when n*K < E, ragged_swiglu when n*K >= E, each through
+  `ffn.routed_swiglu` (blocked_swiglu on XLA:CPU).
   """
   if cfg.expert_dispatch == "all_to_all" and moe_ep.expert_parallel_size() > 1:
     return functools.partial(moe_ep.ep_grouped_swiglu,   # all-to-all inside shard_map
                              capacity_factor=cfg.moe_capacity_factor)
   if n_tokens * cfg.num_experts_per_tok < cfg.n_routed_experts:
-    return ffn.gathered_swiglu
-  return ffn.grouped_swiglu
+    return functools.partial(ffn.routed_swiglu, ffn.gathered_swiglu)
+  return functools.partial(ffn.routed_swiglu, ffn.ragged_swiglu)
 
 
 class MoE(nn.Module):
   """Routed experts + shared expert. Returns (y [b,t,d], expert load fraction f32 [E]).
 
   The routed experts run through `select_dispatch(cfg, b*t)`: gathered for a few
-  tokens (n*K < E), grouped `ragged_dot` otherwise, and the expert-parallel
-  all-to-all path whenever it is active, regardless of the token count.
+  tokens (n*K < E), grouped `ragged_dot` otherwise (blocked on XLA:CPU), and the
+  expert-parallel all-to-all path whenever it is active, regardless of the token count.
   """
   cfg: "ModelConfig"  # noqa: F821
 

@@ -13,8 +13,8 @@ Tokens are split over the batch axes (`data, fsdp, expert`), routed experts over
      Transformer): a source sends at most that many pairs to each destination, in token
      order, and the rest are dropped (they add nothing to the output; the router's
      load-balancing keeps c ~ 1.25 nearly dropless). `kept_pairs` says which pairs stay;
-  3. run the local experts with `ffn.grouped_swiglu` (sort + `ragged_dot`), padding
-     rows last (ragged_dot leaves rows past sum(group_sizes) at zero);
+  3. run the local experts with `ffn.ragged_swiglu` (sort + `ragged_dot`) on every
+     platform, padding rows last (ragged_dot leaves rows past sum(group_sizes) at zero);
   4. `all_to_all` the results back and combine them with the routing weights.
 
 Weights enter replicated over the non-expert axes (GSPMD gathers fsdp/tensor
@@ -99,8 +99,8 @@ def _local_dispatch(x_nd, ids_nk, wts_nk, wg, wu, wd, *, capacity_factor: float)
   recv_e = jax.lax.all_to_all(send_e, EXPERT_AXIS, 0, 0).reshape(ep * cap)
   # The local experts on the received rows: one expert per row, weight 1; padding rows
   # (id e_loc) sort last, fall outside every group and come back as zeros.
-  ys, _ = ffn.grouped_swiglu(recv_x, recv_e[:, None], jnp.ones((ep * cap, 1), recv_x.dtype),
-                             wg, wu, wd)
+  ys, _ = ffn.ragged_swiglu(recv_x, recv_e[:, None], jnp.ones((ep * cap, 1), recv_x.dtype),
+                            wg, wu, wd)
   ys = ys.reshape(ep, cap, d)
 
   back = jax.lax.all_to_all(ys, EXPERT_AXIS, 0, 0)            # back[j] = my rows sent to j
@@ -113,7 +113,7 @@ def _local_dispatch(x_nd, ids_nk, wts_nk, wg, wu, wd, *, capacity_factor: float)
 
 def ep_grouped_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid, *,
                       capacity_factor: float = 0.0):
-  """Same contract as `ffn.grouped_swiglu`, with experts sharded over `expert`.
+  """Same contract as `ffn.ragged_swiglu`, with experts sharded over `expert`.
 
   Needs a mesh set with `jax.set_mesh` that has the axes of `sharding.MESH_AXES`.
   `capacity_factor` <= 0: dropless; > 0: per-destination capacity (module docstring).
