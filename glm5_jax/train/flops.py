@@ -35,9 +35,9 @@ tests/test_flops.py). Sparse attention counts min(k, visible) slots per query
 under "causal".
 
 Not model FLOPs, so not counted: recomputation (the blockwise indexer KL's two passes, the
-checkpointed CE chunks, remat), and XLA:CPU's `ragged_dot` lowering, which multiplies every
-routed row by all E experts (E x the routed FLOPs; tests/test_flops.py adds it back to
-compare with XLA). In `dsa_warmup` the whole forward is counted, although the last MTP
+checkpointed CE chunks, remat), and the padding rows of the MoE's CPU kernel
+(`nn/ffn.py` `blocked_swiglu` pads each expert's rows to whole blocks; tests/test_flops.py
+adds them back to compare with XLA). In `dsa_warmup` the whole forward is counted, although the last MTP
 step's attention output and FFN feed nothing there; the sparse stages count the indexer
 KL's target logits although XLA may share them with the attention's.
 
