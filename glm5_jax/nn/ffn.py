@@ -93,8 +93,9 @@ def blocked_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid):
   """`ragged_swiglu`'s result as dense batched matmuls over blocks of B rows of one expert.
 
   Each expert's rows (sorted by expert) are padded to a multiple of B = `block_rows`; at most
-  min(E, n*K) experts have rows, so at most nb = (n*K + min(E, n*K)*(B-1)) / B blocks; block j multiplies its [B, d] rows by its
-  expert's matrices, gathered per block. Work is n*K rows plus the padding, not ragged_dot's
+  min(E, n*K) experts have rows, so at most nb = (n*K + min(E, n*K)*(B-1)) / B blocks (a
+  static count). Block j multiplies its [B, d] rows by its expert's matrices, gathered per
+  block. Work is n*K rows plus the padding, not ragged_dot's
   E x n*K on XLA:CPU, and each expert matrix is read once per block (a few tokens read only
   their experts', like `gathered_swiglu`). Padding rows are zero and never read back. Each
   row's result does not depend on the other rows (every block is a [B, d] matmul, B >= 16).
@@ -105,10 +106,11 @@ def blocked_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid):
   nb = (n * k + min(e, n * k) * (b - 1)) // b
   order, token_of = _sort_by_expert(ids_nk)
   sizes = _counts(ids_nk, e)
-  padded_end = jnp.cumsum((sizes + b - 1) // b * b)              # [E], in rows
+  padded = (sizes + b - 1) // b * b                              # [E] rows, whole blocks
+  padded_end = jnp.cumsum(padded)
   expert_of = ids_nk.reshape(-1)[order]                          # [n*K], sorted
   rank = jnp.arange(n * k) - (jnp.cumsum(sizes) - sizes)[expert_of]
-  row = (padded_end - (sizes + b - 1) // b * b)[expert_of] + rank   # each pair's padded row
+  row = (padded_end - padded)[expert_of] + rank                  # each pair's padded row
   xs = jnp.zeros((nb * b, d), x_nd.dtype).at[row].set(x_nd[token_of]).reshape(nb, b, d)
   block_expert = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(nb) * b, side="right"),
                              e - 1)                              # trailing empty blocks: any
