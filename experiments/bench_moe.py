@@ -39,8 +39,7 @@ def _inputs(cfg, n, seed=0):
   rng = np.random.default_rng(seed)
   d, i, e, k = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts,
                 cfg.num_experts_per_tok)
-  f32 = lambda *s: jnp.asarray(rng.normal(size=s) * s[-2] ** -0.5 if len(s) > 1
-                               else rng.random(s), jnp.float32)
+  f32 = lambda *s: jnp.asarray(rng.normal(size=s) * s[-2] ** -0.5, jnp.float32)  # 1/sqrt(fan in)
   ids = jnp.asarray(np.argsort(rng.random((n, e)), axis=1)[:, :k], jnp.int32)
   return (jnp.asarray(rng.normal(size=(n, d)), jnp.float32), ids, jnp.asarray(
       rng.random((n, k)), jnp.float32), f32(e, d, i), f32(e, d, i), f32(e, i, d))

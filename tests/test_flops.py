@@ -35,10 +35,9 @@ def _cfg(mtp_steps):
 
 def _block_padding_flops(cfg, stage, backward):
   """FLOPs of the padding rows `ffn.blocked_swiglu` computes: its static row count
-  nb * block minus the n*K real (token, expert) rows, per MoE call."""
-  n, k, e = B * T, cfg.num_experts_per_tok, cfg.n_routed_experts
-  block = ffn.block_rows(n * k, e)
-  padded_rows = (n * k + min(e, n * k) * (block - 1)) // block * block - n * k
+  (`ffn.blocked_rows`) minus the n*K real (token, expert) rows, per MoE call."""
+  pairs = B * T * cfg.num_experts_per_tok
+  padded_rows = ffn.blocked_rows(pairs, cfg.n_routed_experts) - pairs
   moe_calls = (cfg.num_hidden_layers - cfg.first_k_dense_replace
                + (cfg.mtp_num_steps if cfg.is_moe_layer(cfg.num_hidden_layers) else 0))
   mult = 3 if backward and stage != "dsa_warmup" else 1

@@ -183,8 +183,13 @@ def test_moe_gather_path_equals_grouped_path_on_padded_batch(rng, monkeypatch):
   module, params = _moe_and_params(rng, cfg)
   used = []                                       # the accelerator kernel each call selects
   select = moe.select_dispatch
-  monkeypatch.setattr(moe, "select_dispatch",
-                      lambda *a: (lambda f: (used.append(f.args[0].__name__), f)[1])(select(*a)))
+
+  def spy(*a):
+    dispatch = select(*a)
+    used.append(dispatch.args[0].__name__)
+    return dispatch
+
+  monkeypatch.setattr(moe, "select_dispatch", spy)
   x_few = jnp.asarray(rng.normal(size=(1, 3, cfg.hidden_size)), jnp.float32)   # n*K = 6 < 8
   y_few, load_few = module.apply(params, x_few)
   assert used == ["gathered_swiglu"]

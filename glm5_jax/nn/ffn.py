@@ -89,21 +89,27 @@ def block_rows(n_pairs: int, n_experts: int) -> int:
   return min(128, max(16, 1 << (mean.bit_length() - 1)))
 
 
+def blocked_rows(n_pairs: int, n_experts: int) -> int:
+  """Rows `blocked_swiglu` computes (a static count, padding included): at most
+  min(E, n*K) experts have rows, each padded by at most B - 1, in whole blocks of B."""
+  b = block_rows(n_pairs, n_experts)
+  return (n_pairs + min(n_experts, n_pairs) * (b - 1)) // b * b
+
+
 def blocked_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid):
   """`ragged_swiglu`'s result as dense batched matmuls over blocks of B rows of one expert.
 
-  Each expert's rows (sorted by expert) are padded to a multiple of B = `block_rows`; at most
-  min(E, n*K) experts have rows, so at most nb = (n*K + min(E, n*K)*(B-1)) / B blocks (a
-  static count). Block j multiplies its [B, d] rows by its expert's matrices, gathered per
-  block. Work is n*K rows plus the padding, not ragged_dot's
-  E x n*K on XLA:CPU, and each expert matrix is read once per block (a few tokens read only
-  their experts', like `gathered_swiglu`). Padding rows are zero and never read back. Each
+  Each expert's rows (sorted by expert) are padded to a multiple of B = `block_rows`, in
+  nb = `blocked_rows` / B blocks (a static count, enough for any routing). Block j
+  multiplies its [B, d] rows by its expert's matrices, gathered per block. Work is n*K rows
+  plus the padding, not ragged_dot's E x n*K on XLA:CPU, and each expert matrix is read
+  once per block (a few tokens read only their experts', like `gathered_swiglu`). Padding rows are zero and never read back. Each
   row's result does not depend on the other rows (every block is a [B, d] matmul, B >= 16).
   """
   n, k = ids_nk.shape
   e, d = w_gate_edi.shape[0], x_nd.shape[1]
   b = block_rows(n * k, e)
-  nb = (n * k + min(e, n * k) * (b - 1)) // b
+  nb = blocked_rows(n * k, e) // b
   order, token_of = _sort_by_expert(ids_nk)
   sizes = _counts(ids_nk, e)
   padded = (sizes + b - 1) // b * b                              # [E] rows, whole blocks
