@@ -61,7 +61,13 @@ def _model_config():
     unknown = sorted(set(fields) - set(types))
     if unknown:
       raise ValueError(f"--override {unknown}: not ModelConfig fields")
-    cfg = config_lib.get_preset(_PRESET.value, **{k: types[k](v) for k, v in fields.items()})
+    def parse(k, v):
+      if types[k] is bool:
+        if v.lower() not in ("true", "false"):
+          raise ValueError(f"--override {k}={v}: expected true or false")
+        return v.lower() == "true"
+      return types[k](v)
+    cfg = config_lib.get_preset(_PRESET.value, **{k: parse(k, v) for k, v in fields.items()})
     params = gnn.init_params(cfg, _SEED.value)
   return step_lib.stage_model_config(cfg, "pretrain"), params
 
