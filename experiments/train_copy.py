@@ -66,7 +66,10 @@ def _model_config():
         if v.lower() not in ("true", "false"):
           raise ValueError(f"--override {k}={v}: expected true or false")
         return v.lower() == "true"
-      return types[k](v)
+      try:
+        return types[k](v)
+      except ValueError:
+        raise ValueError(f"--override {k}={v}: expected a {types[k].__name__}") from None
     cfg = config_lib.get_preset(_PRESET.value, **{k: parse(k, v) for k, v in fields.items()})
     params = gnn.init_params(cfg, _SEED.value)
   return step_lib.stage_model_config(cfg, "pretrain"), params
