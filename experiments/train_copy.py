@@ -69,7 +69,7 @@ def _model_config():
       try:
         return types[k](v)
       except ValueError:
-        raise ValueError(f"--override {k}={v}: expected a {types[k].__name__}") from None
+        raise ValueError(f"--override {k}={v}: expected {types[k].__name__}") from None
     cfg = config_lib.get_preset(_PRESET.value, **{k: parse(k, v) for k, v in fields.items()})
     params = gnn.init_params(cfg, _SEED.value)
   return step_lib.stage_model_config(cfg, "pretrain"), params
