@@ -77,14 +77,14 @@ def _train_copy(tmp_path, *flags):
 
 
 def test_train_copy_refuses_an_unknown_override_by_name(tmp_path):
-  p = _train_copy(tmp_path, "--override=hidden_size=128,no_such_field=3")
+  p = _train_copy(tmp_path, "--config.model.hidden_size=128", "--config.model.no_such_field=3")
   assert p.returncode != 0 and "no_such_field" in p.stderr
 
 
 @pytest.mark.slow
 def test_train_copy_trains_and_scores_both_kinds(tmp_path):
-  p = _train_copy(tmp_path, "--steps=2", "--eval_every=1", "--eval_rows=2", "--batch=2",
-                  "--seq_len=64")
+  p = _train_copy(tmp_path, "--config.total_steps=2", "--config.copy.eval_every=1",
+                  "--config.copy.eval_rows=2", "--config.batch_size=2", "--config.seq_len=64")
   assert p.returncode == 0, p.stderr[-2000:]
   with open(tmp_path / "copy_task.json") as f:
     result = json.load(f)
