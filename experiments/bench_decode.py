@@ -14,8 +14,11 @@ Sections (`--sections`, default all):
   hf          our engine vs transformers' `generate` (eager, its own cache) on the same
               weights, greedy, at several batch sizes, for the checkpoint's model (tiny)
               and a random `small`.
-  speculative MTP speculative vs plain decoding at batch 1 (greedy), with the time of one
-              round split into draft / verify / accept, each part timed alone.
+  speculative MTP speculative vs plain decoding at batch 1 (greedy) on `--spec_prompts`
+              natural prompts (64-byte windows of this repository's own source; the tiny
+              model pretrains on the standard library), each decoding setting against
+              plain decoding at 8, 32 and 128 steps per call; with the time of one round
+              split into draft / verify / accept, each part timed alone.
   bf16        the bfloat16 engine's log-probs vs the bfloat16 trainer forward and vs the
               float32 forward on the same tokens (the train/rollout gap at bf16).
   contexts    decode tokens/s at batch 1 after a long prompt, and KV-cache bytes/token
@@ -37,9 +40,10 @@ import numpy as np
 
 from glm5_jax import config as config_lib
 from glm5_jax import nn as gnn
-from glm5_jax import timing
+from glm5_jax.evals import mtp_acceptance
 from glm5_jax.inference import Engine
 from glm5_jax.inference import SamplingParams
+from glm5_jax.inference import engine as engine_lib
 from glm5_jax.inference import steps
 from glm5_jax.nn import kv_cache
 from glm5_jax.nn import layer_stack
@@ -55,7 +59,8 @@ _HF_NEW = flags.DEFINE_integer("hf_new_tokens", 32, "greedy tokens per request v
 _HF_PRESETS = flags.DEFINE_list("hf_presets", ["checkpoint", "small"],
                                 "'checkpoint' (the --checkpoint model) and/or presets")
 _SPEC_NEW = flags.DEFINE_integer("spec_new_tokens", 96, "tokens per speculative run")
-_SPEC_ROUNDS = flags.DEFINE_integer("spec_rounds", 4, "speculative rounds per device call")
+_SPEC_ROUNDS = flags.DEFINE_integer("spec_rounds", 32, "speculative rounds per device call")
+_SPEC_PROMPTS = flags.DEFINE_integer("spec_prompts", 8, "prompts of the speculative section")
 _CONTEXTS = flags.DEFINE_list("contexts", ["1024", "4096"], "prompt lengths (contexts)")
 _OUT = flags.DEFINE_string("out", "bench_decode.json", "JSON output path")
 
@@ -162,13 +167,16 @@ def bench_hf(cfg, params, name):
 
 
 def bench_speculative(cfg, params):
-  """Batch-1 greedy decoding: plain (steps_per_sync 8, the default, and 32) vs MTP
-  speculative (`--spec_rounds` rounds per call; D = the config's MTP steps, and D + 2),
-  each variant timed 5 times, interleaved (this machine's timings drift), medians."""
-  prompt = _prompts(cfg, 1, 64, 4)[0]
+  """Batch-1 greedy decoding of `--spec_prompts` natural prompts, one request at a time:
+  plain (8 steps per call, the default, then 32 and 128) vs MTP speculative
+  (`--spec_rounds` rounds per call; D = the config's MTP steps, and D + 2). Each variant
+  decodes every prompt once per repeat, 5 repeats interleaved (this machine's timings
+  drift); the medians of the per-repeat totals are compared."""
+  prompts = mtp_acceptance.code_prompts(_SPEC_PROMPTS.value, 64, 0)
   n = _SPEC_NEW.value
   d = cfg.mtp_num_steps
   variants = {"plain_sync8": dict(steps_per_sync=8), "plain_sync32": dict(steps_per_sync=32),
+              "plain_sync128": dict(steps_per_sync=128),
               f"speculative_d{d}": dict(speculative=True, rounds_per_sync=_SPEC_ROUNDS.value),
               f"speculative_d{d + 2}": dict(speculative=True, num_draft=d + 2,
                                             rounds_per_sync=_SPEC_ROUNDS.value)}
@@ -176,50 +184,107 @@ def bench_speculative(cfg, params):
   engines = {}
   for name, kw in variants.items():
     engines[name] = Engine(cfg, params, max_batch=1, max_len=64 + n + 64, **kw)
-    engines[name].generate([prompt], sp)                         # compile
+    for p in prompts:                                            # compile every shape
+      engines[name].generate([p], sp)
   times = {name: [] for name in variants}
   accept = {}
-  for rep in range(5):
-    p = prompt[rep + 1:] + [5] * (rep + 1)
+  for _ in range(5):
     for name, eng in engines.items():
       t0 = time.perf_counter()
-      res = eng.generate([p], sp)[0]
+      res = [eng.generate([p], sp)[0] for p in prompts]
       times[name].append(time.perf_counter() - t0)
-      if res.num_rounds:
-        accept[name] = res.acceptance_length
-  out = {"batch": 1, "new_tokens": n, "rounds_per_sync": _SPEC_ROUNDS.value,
+      if res[0].num_rounds:
+        accept[name] = [r.acceptance_length for r in res]
+  out = {"batch": 1, "prompts": len(prompts), "new_tokens": n,
+         "rounds_per_sync": _SPEC_ROUNDS.value,
          "seconds": {k: float(np.median(v)) for k, v in times.items()},
-         "acceptance_length": accept}
-  best_plain = min(out["seconds"]["plain_sync8"], out["seconds"]["plain_sync32"])
+         "acceptance_length": {k: float(np.mean(v)) for k, v in accept.items()},
+         "acceptance_length_per_prompt": accept}
+  best_plain = min(v for k, v in out["seconds"].items() if k.startswith("plain"))
   best_spec = min(v for k, v in out["seconds"].items() if k.startswith("speculative"))
   out["speed_up_vs_default_plain"] = out["seconds"]["plain_sync8"] / best_spec
   out["speed_up_vs_best_plain"] = best_plain / best_spec
-  # One round's parts at decode shapes (each a jitted call of its own, dispatch included).
-  bs = 16
-  cache = layer_stack.init_cache(cfg, 16 * bs, with_mtp=True)
-  table = jnp.arange(16, dtype=jnp.int32)[None]
-  pos = jnp.asarray([100], jnp.int32)
+  out["parts_s"] = _round_parts(cfg, params, d)
+  print(f"  speculative: {out['seconds']}, acceptance {out['acceptance_length']}, "
+        f"x{out['speed_up_vs_default_plain']:.2f} "
+        f"vs default plain, x{out['speed_up_vs_best_plain']:.2f} vs best plain; parts (ms) "
+        f"{ {k: round(v * 1e3, 3) for k, v in out['parts_s'].items()} }", flush=True)
+  return out
+
+
+def _round_parts(cfg, params, d, iters=32):
+  """Seconds per iteration of each part of a speculative round and of a plain step, each
+  run `iters` times inside one compiled loop (as the engine runs them: no dispatch per
+  step) with the parameters as arguments, at the engine's lanes for one request: plain
+  steps and drafts after the first over `invariant_tokens` lanes (one real, the others
+  inert), the verify and the first MTP call (catch-up + draft 1) over one lane of D + 1
+  tokens. Medians of 5 runs."""
+  bs, nb = 16, 16
+  cache = layer_stack.init_cache(cfg, nb * bs, with_mtp=True)
+  lanes = engine_lib.invariant_tokens(cfg, jax.devices()[0].platform)
+
+  def lane_args(n_lanes, t):
+    table = jnp.full((n_lanes, nb), nb, jnp.int32).at[0].set(jnp.arange(nb, dtype=jnp.int32))
+    n_valid = jnp.zeros(n_lanes, jnp.int32).at[0].set(t)
+    return table, jnp.ones((n_lanes, t), jnp.int32), jnp.full(n_lanes, 100, jnp.int32), n_valid
+
+  def looped(body):
+    """body(params, cache) -> (cache, outputs): `iters` calls in one compiled loop, with
+    every output summed into the carry so that nothing is dropped as dead code."""
+    def run(p, c):
+      def step(carry, _):
+        c, total = carry
+        c, y = body(p, c)
+        return (c, total + sum(jnp.sum(x).astype(jnp.float32) for x in jax.tree.leaves(y))), None
+      return jax.lax.scan(step, (c, jnp.float32(0)), None, length=iters)[0]
+    run = jax.jit(run)
+    return lambda: run(params, cache)
+
+  def forward(n_lanes, t):
+    table, tok, pos, n = lane_args(n_lanes, t)
+    def body(p, c):
+      out, c = steps.forward(cfg, bs, p, c, table, tok, pos, n)
+      return c, steps.head(cfg, p, out.hidden)
+    return looped(body)
+
+  def mtp(n_lanes, t):
+    table, tok, pos, n = lane_args(n_lanes, t)
+    h = jnp.zeros(tok.shape + (cfg.hidden_size,), cfg.dtype)
+    def body(p, c):
+      h_out, logits, c = steps.mtp(cfg, bs, p, c, table, tok, h, pos, n)
+      return c, (h_out, logits)
+    return looped(body)
+
+  table, _, pos, _ = lane_args(1, 1)
   one = jnp.ones(1, jnp.int32)
-  h = jnp.zeros((1, 1, cfg.hidden_size), cfg.dtype)
-  draft = jax.jit(lambda c: steps.mtp(cfg, bs, params, c, table, one[:, None], h, pos, one))
-  verify = jax.jit(lambda c: steps.forward(cfg, bs, params, c, table,
-                                           jnp.ones((1, d + 1), jnp.int32), pos, one * (d + 1)))
-  plain = jax.jit(lambda c: steps.forward(cfg, bs, params, c, table, one[:, None], pos, one))
   st = {"tok": one, "pos": pos, "active": jnp.ones(1, bool), "n_gen": one, "budget": one * 99,
         "seed": one, "req": one, "temp": jnp.zeros(1), "top_k": one * 0, "top_p": jnp.ones(1),
         "stop": -jnp.ones((1, 4), jnp.int32)}
-  rnd = jax.jit(lambda c, hl: steps.speculative_round(cfg, bs, d, params, c,
-                                                      steps.init_fold(st, hl, d), table, st))
-  t_draft = timing.median_time(draft, cache, repeats=5)
-  t_verify = timing.median_time(verify, cache, repeats=5)
-  t_round = timing.median_time(rnd, cache, h[:, 0], repeats=5)
-  out["parts_s"] = {"main_forward_1_token": timing.median_time(plain, cache, repeats=5),
-                    f"verify_{d + 1}_tokens": t_verify, "draft_1_mtp_step": t_draft,
-                    "round": t_round,
-                    "accept_and_rest": max(t_round - d * t_draft - t_verify, 0.0)}
-  print(f"  speculative: {out['seconds']}, acceptance {accept}, x{out['speed_up_vs_default_plain']:.2f} "
-        f"vs default plain, x{out['speed_up_vs_best_plain']:.2f} vs best plain; parts (ms) "
-        f"{ {k: round(v * 1e3, 3) for k, v in out['parts_s'].items()} }", flush=True)
+  fold = steps.init_fold(st, jnp.zeros((1, cfg.hidden_size), cfg.dtype), d)
+  pad = lambda x, v=0: jnp.pad(x, [(0, lanes - 1)] + [(0, 0)] * (x.ndim - 1), constant_values=v)
+  def plain(p, c):
+    c, _, outs = steps.decode(cfg, bs, 1, p, c, pad(table, nb), jax.tree.map(pad, st))
+    return c, outs["logprob"]
+  def spec(p, c):
+    c, _, _, res = steps.speculative_round(cfg, bs, d, p, c, fold, table, st, lanes)
+    return c, (res["logprob"], res["n_emit"])
+  parts = {f"plain_step_{lanes}_lanes": looped(plain),
+           f"verify_{d + 1}_tokens": forward(1, d + 1),
+           f"mtp_{d + 1}_tokens": mtp(1, d + 1),
+           f"mtp_1_token_{lanes}_lanes": mtp(lanes, 1),
+           "round": looped(spec)}
+  for f in parts.values():
+    jax.block_until_ready(f())                                   # compile
+  times = {k: [] for k in parts}
+  for _ in range(5):
+    for k, f in parts.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(f())
+      times[k].append((time.perf_counter() - t0) / iters)
+  out = {k: float(np.median(v)) for k, v in times.items()}
+  out["accept_and_rest"] = max(out["round"] - out[f"verify_{d + 1}_tokens"]
+                               - out[f"mtp_{d + 1}_tokens"]
+                               - (d - 1) * out[f"mtp_1_token_{lanes}_lanes"], 0.0)
   return out
 
 

@@ -99,15 +99,33 @@ def test_sampling_params_take_numpy_scalars_and_any_iterable_of_stop_ids():
   assert sp.stop_token_ids == (4, 7) and all(type(t) is int for t in sp.stop_token_ids)
 
 
-def test_all_greedy_rows_skip_the_draw_and_get_the_same_tokens(rng):
-  logits = jnp.asarray(rng.normal(size=(3, 50)), jnp.float32)
+def test_greedy_is_the_token_sample_draws_from_a_greedy_distribution(rng):
+  logits = jnp.asarray(rng.normal(size=(3, 50)), jnp.float32).at[1, :2].set(9.0)   # a tie
   b = logits.shape[0]
   logq = sampling.sampling_logprobs(logits, jnp.zeros(b), jnp.zeros(b, jnp.int32), jnp.ones(b))
   keys = sampling.row_keys(jnp.arange(b), jnp.zeros(b, jnp.int32), jnp.zeros(b, jnp.int32))
-  drawn = sampling.sample(keys, logq)
-  np.testing.assert_array_equal(sampling.sample(keys, logq, jnp.ones(b, bool)), drawn)
-  np.testing.assert_array_equal(drawn, np.argmax(np.asarray(logits), -1))
-  mixed = sampling.sampling_logprobs(logits, jnp.asarray([0.0, 1.0, 0.0]),
-                                     jnp.zeros(b, jnp.int32), jnp.ones(b))
-  np.testing.assert_array_equal(sampling.sample(keys, mixed, jnp.asarray([True, False, True])),
-                                sampling.sample(keys, mixed))
+  np.testing.assert_array_equal(sampling.greedy(logits), sampling.sample(keys, logq))
+  np.testing.assert_array_equal(sampling.greedy(logits), np.argmax(np.asarray(logits), -1))
+  assert int(sampling.greedy(logits)[1]) == 0                                   # lower id
+
+
+@pytest.mark.parametrize("d", [1, 3])
+def test_greedy_accept_equals_speculative_accept_on_one_hot_distributions(rng, d):
+  """The engine's all-greedy round against the general rule on the one-hot distributions
+  that temperature 0 gives, over drafts that match the target's argmax for a random
+  prefix (ties included: two tokens share the top logit in some rows)."""
+  b, v = 64, 6
+  logits = jnp.asarray(rng.integers(0, 3, size=(b, d + 1, v)), jnp.float32)   # many ties
+  target = np.argmax(np.asarray(logits), -1)
+  drafts = np.where(rng.random((b, d)) < 0.7, target[:, :d], rng.integers(0, v, (b, d)))
+  zeros = lambda n: jnp.zeros(n)
+  onehot = lambda x, n: sampling.sampling_logprobs(x.reshape(n, v), zeros(n),
+                                                   jnp.zeros(n, jnp.int32), jnp.ones(n))
+  logq = jnp.log(jax.nn.one_hot(drafts, v)).reshape(b, d, v)
+  logp = onehot(logits, b * (d + 1)).reshape(b, d + 1, v)
+  keys = jax.random.split(jax.random.PRNGKey(0), b)
+  want_n, want_y = sampling.speculative_accept(keys, jnp.asarray(drafts, jnp.int32), logq, logp)
+  got_n, got_y = sampling.greedy_accept(jnp.asarray(drafts, jnp.int32), logits)
+  np.testing.assert_array_equal(got_n, want_n)
+  np.testing.assert_array_equal(got_y, want_y)
+  assert 0 < int(np.sum(np.asarray(got_n) == d)) < b                  # all kept and cut rows

@@ -74,6 +74,21 @@ def test_greedy_speculative_emits_the_plain_greedy_tokens(engine, target_logp, r
 
 
 @pytest.mark.slow
+def test_a_speculative_request_alone_equals_the_same_request_in_a_batch(engine, rng):
+  """Alone, a request verifies its D + 1 tokens in one lane and drafts in the padded
+  batch-invariant lanes; next to others it shares both calls. Tokens, log-probs and
+  acceptance are the same bits (sampled, so a draft that moved could change a token)."""
+  prompt = rng.integers(0, V, 7).tolist()
+  others = [rng.integers(0, V, n).tolist() for n in (4, 13)]
+  sp = SamplingParams(max_new_tokens=12, temperature=1.0, seed=5)
+  alone = engine.generate([prompt], sp)[0]
+  batched = engine.generate([prompt] + others, sp)[0]
+  assert alone.token_ids == batched.token_ids
+  np.testing.assert_array_equal(alone.logprobs, batched.logprobs)
+  assert (alone.num_rounds, alone.num_accepted) == (batched.num_rounds, batched.num_accepted)
+
+
+@pytest.mark.slow
 def test_speculative_session_turns_match_the_trainer(engine, target_logp, rng):
   sid = engine.new_session()
   turn1, turn2 = rng.integers(0, V, 9).tolist(), rng.integers(0, V, 5).tolist()

@@ -14,7 +14,8 @@ Every device step runs the trainer's own model (`GLM5.apply(..., cache=)`, steps
      fit; with `scheduling="static"` only when every slot is free (the baseline);
   2. runs one chunk of prefill (up to `prefill_chunk` tokens per prefilling slot); a slot
      whose prompt ends in it samples its first token;
-  3. runs `steps_per_sync` decode steps (or speculative rounds) for the decoding slots;
+  3. runs `steps_per_sync` decode steps (or speculative rounds) for the decoding slots,
+     fewer if every one of them finishes first;
   4. returns the requests that finished; their slots are free for the next step.
 Token ids in, token ids out; nothing is converted to text.
 
@@ -209,7 +210,7 @@ def invariant_tokens(cfg, platform: str = "cpu") -> int:
 
 @functools.lru_cache(maxsize=32)
 def _step_fns(cfg, bs: int, speculative: bool, steps_per_sync: int, num_draft: int,
-              rounds_per_sync: int):
+              rounds_per_sync: int, min_draft_lanes: int):
   """The jitted device steps of an engine, shared by every engine of the same configuration
   (an evaluation engine, a restarted rollout worker), so their compilations are reused."""
   def prefill(params, cache, h_last, lanes, table, tokens, start, n_valid, h_valid, packed):
@@ -229,11 +230,11 @@ def _step_fns(cfg, bs: int, speculative: bool, steps_per_sync: int, num_draft: i
     def body(carry, _):
       cache, fold, st = carry
       cache, fold, st, out = steps.speculative_round(cfg, bs, num_draft, params, cache,
-                                                     fold, table, st)
+                                                     fold, table, st, min_draft_lanes)
       return (cache, fold, st), out
     fold = steps.init_fold(st, h_last, num_draft)
-    (cache, fold, st), outs = jax.lax.scan(body, (cache, fold, st), None,
-                                           length=rounds_per_sync)
+    (cache, fold, st), outs = steps.scan_while_active(body, (cache, fold, st),
+                                                      rounds_per_sync)
     cache, h_last = steps.finish_fold(cfg, bs, params, cache, fold, table, st)
     h_all = h_all.at[lanes].set(h_last, mode="drop")
     return cache, h_all, {"pos": st["pos"], "active": st["active"]}, outs
@@ -340,7 +341,8 @@ class Engine:
     self.stats = collections.Counter()
     self.last_stats: dict = {}
     self._prefill, self._decode, self._spec, self._set_h = _step_fns(
-        cfg, block_size, speculative, steps_per_sync, num_draft, rounds_per_sync)
+        cfg, block_size, speculative, steps_per_sync, num_draft, rounds_per_sync,
+        self._min_tokens if self._n_shards == 1 else 1)
 
   def _shardings(self, params, rules):
     """Where parameters, cache and per-slot rows live (one placement: no recompiles)."""
@@ -793,7 +795,8 @@ class Engine:
     t0 = time.perf_counter()
     rows = [b for b, r in enumerate(self._slots)
             if r is not None and r.active and r.sampled and r.cache_len == r.feed_end]
-    lanes = self._lanes(rows)
+    # A speculative call verifies D + 1 tokens per lane (its drafting pads its own lanes).
+    lanes = self._lanes(rows, self.num_draft + 1 if self.speculative else 1)
     live = self._live(lanes)
     ahead = self.rounds_per_sync * (self.num_draft + 1) if self.speculative else self.steps_per_sync
     table = self._table(lanes, max(self._slots[b].cache_len + ahead for b in rows))
@@ -816,7 +819,7 @@ class Engine:
                        int(out["pos"][k, i]) + j, topk)
           self.stats["rounds"] += 1
           self.stats["decode_slot_steps"] += 1
-      self.stats["decode_steps"] += self.rounds_per_sync
+      self.stats["decode_steps"] += int((out["n_emit"] > 0).any(axis=1).sum())   # rounds run
     else:
       with self._mesh_scope():
         self._cache, st, out = self._decode(self.params, self._cache, table, st)
@@ -828,7 +831,7 @@ class Engine:
             self._emit(self._slots[b], int(out["tok"][s, i]), float(out["logprob"][s, i]),
                        int(out["pos"][s, i]), topk)
       self.stats["decode_slot_steps"] += int(out["emit"].sum())
-      self.stats["decode_steps"] += self.steps_per_sync
+      self.stats["decode_steps"] += int(out["emit"].any(axis=1).sum())           # steps run
     for i, b in live:
       r = self._slots[b]
       r.cache_len = int(st["pos"][i])

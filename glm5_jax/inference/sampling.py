@@ -127,18 +127,17 @@ def _top_k_top_p_mask(scaled_bv, top_k_b, top_p_b):
   return jnp.zeros_like(keep).at[rows, order_bv].set(keep)
 
 
-def sample(keys_b, logq_bv, greedy_b=None):
-  """One token per row from log q (a greedy row's q is one-hot). int32 [b].
+def sample(keys_b, logq_bv):
+  """One token per row from log q (a greedy row's q is one-hot). int32 [b]. When every
+  row is greedy, `greedy` gives the same tokens without the random draw (Gumbel noise over
+  the whole vocabulary) or the distribution."""
+  return jax.vmap(jax.random.categorical)(keys_b, logq_bv).astype(jnp.int32)
 
-  greedy_b: optional bool [b], the rows with temperature 0; when every row is greedy the
-  random draw (Gumbel noise over the whole vocabulary) is skipped for the argmax, which
-  is the same token.
-  """
-  draw = lambda: jax.vmap(jax.random.categorical)(keys_b, logq_bv).astype(jnp.int32)
-  if greedy_b is None:
-    return draw()
-  return jax.lax.cond(jnp.all(greedy_b), lambda: jnp.argmax(logq_bv, -1).astype(jnp.int32),
-                      draw)
+
+def greedy(logits_bv):
+  """The argmax per row, ties -> lower token id: int32 [..]. The token `sample` draws from
+  a greedy row's one-hot `sampling_logprobs`, without building that distribution."""
+  return jnp.argmax(logits_bv.astype(jnp.float32), axis=-1).astype(jnp.int32)
 
 
 def row_keys(seed_b, request_b, counter_b):
@@ -176,3 +175,19 @@ def speculative_accept(keys_b, drafts_bd, logq_bdv, logp_bdv):
   ok = jnp.sum(resid, -1, keepdims=True) > 0
   log_resid = jnp.where(ok, jnp.log(resid), p_n)      # p == q: residual empty, never reached
   return n.astype(jnp.int32), sample(k_y, log_resid)
+
+
+def greedy_accept(drafts_bd, logits_bdv):
+  """`speculative_accept` when every row is greedy (one-hot q and p): the drafts equal to
+  the target's argmax are kept up to the first that is not, and the next token is the
+  argmax after them. No distributions and no random draws; the same (n_accepted,
+  next_token) as `speculative_accept` with the one-hot distributions.
+
+  Args:
+    drafts_bd: int32 [b, D] draft tokens.
+    logits_bdv: [b, D + 1, v] target logits at the D + 1 verified positions.
+  """
+  d = drafts_bd.shape[1]
+  target_bt = greedy(logits_bdv)                                             # [b, D + 1]
+  n = jnp.sum(jnp.cumprod((drafts_bd == target_bt[:, :d]).astype(jnp.int32), -1), -1)
+  return n.astype(jnp.int32), jnp.take_along_axis(target_bt, n[:, None], 1)[:, 0]

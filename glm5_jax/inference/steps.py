@@ -98,11 +98,20 @@ def _stack_topk(all_idx):
   return jnp.stack(all_idx)
 
 
+def _all_greedy(st):
+  """True when every row decodes greedily: the steps then skip building sampling
+  distributions and drawing random keys (the tokens are the same)."""
+  return jnp.all(st["temp"] <= 0)
+
+
 def _pick(logits_bv, st):
   """Sample the next token per row; returns (token [b], raw log-prob [b])."""
-  logq = sampling.sampling_logprobs(logits_bv, st["temp"], st["top_k"], st["top_p"])
-  keys = sampling.row_keys(st["seed"], st["req"], st["n_gen"])
-  tok = sampling.sample(keys, logq, st["temp"] <= 0)
+  def draw():
+    logq = sampling.sampling_logprobs(logits_bv, st["temp"], st["top_k"], st["top_p"])
+    keys = sampling.row_keys(st["seed"], st["req"], st["n_gen"])
+    return sampling.sample(keys, logq)
+
+  tok = jax.lax.cond(_all_greedy(st), lambda: sampling.greedy(logits_bv), draw)
   return tok, sampling.raw_logprobs(logits_bv, tok)
 
 
@@ -139,8 +148,28 @@ def _advance(st, tok_b, emit_b):
   return {**st, "tok": jnp.where(emit_b > 0, tok_b, st["tok"]), "n_gen": n_gen, "active": active}
 
 
+def scan_while_active(step, carry, length: int):
+  """`lax.scan(step, carry, None, length)` that stops early once no row of the carry's
+  decode state (`carry[-1]`, its "active" field) is active: a lone request that ends
+  early in a device call does not run that call's remaining steps. Outputs of the steps
+  not run are zeros (nothing emitted)."""
+  shapes = jax.eval_shape(lambda c: step(c, None)[1], carry)
+  outs = jax.tree.map(lambda s: jnp.zeros((length,) + s.shape, s.dtype), shapes)
+
+  def body(state):
+    i, carry, outs = state
+    carry, out = step(carry, None)
+    outs = jax.tree.map(lambda o, x: jax.lax.dynamic_update_index_in_dim(o, x, i, 0), outs, out)
+    return i + 1, carry, outs
+
+  go = lambda state: (state[0] < length) & jnp.any(state[1][-1]["active"])
+  _, carry, outs = jax.lax.while_loop(go, body, (jnp.int32(0), carry, outs))
+  return carry, outs
+
+
 def decode(cfg, block_size, n_steps, params, cache, table_bm, st):
-  """n_steps plain decode steps (lax.scan). Returns (cache, st, per-step outputs)."""
+  """Up to n_steps plain decode steps (`scan_while_active`). Returns (cache, st, per-step
+  outputs)."""
 
   def step(carry, _):
     cache, st = carry
@@ -154,7 +183,7 @@ def decode(cfg, block_size, n_steps, params, cache, table_bm, st):
     st = _advance({**st, "pos": st["pos"] + emit}, tok, emit)
     return (cache, st), res
 
-  (cache, st), outs = jax.lax.scan(step, (cache, st), None, length=n_steps)
+  (cache, st), outs = scan_while_active(step, (cache, st), n_steps)
   return cache, st, outs
 
 
@@ -175,7 +204,13 @@ def finish_fold(cfg, block_size, params, cache, fold, table_bm, st):
   return cache, jnp.take_along_axis(fold["h"], last, axis=1)[:, 0]
 
 
-def speculative_round(cfg, block_size, n_draft, params, cache, fold, table_bm, st):
+def _pad_lanes(x, n: int, value=0):
+  """x [b, ...] with inert lanes appended up to n rows."""
+  return jnp.pad(x, [(0, n - x.shape[0])] + [(0, 0)] * (x.ndim - 1), constant_values=value)
+
+
+def speculative_round(cfg, block_size, n_draft, params, cache, fold, table_bm, st,
+                      min_draft_lanes: int = 1):
   """One draft / verify / accept round (module docstring). Returns (cache, fold, st, out)
   with out = {tok [b, D+1], logprob [b, D+1], n_emit [b], n_accepted [b], pos [b],
   topk [L, b, D+1, K] or None}; row b emitted tok[b, :n_emit[b]].
@@ -185,17 +220,28 @@ def speculative_round(cfg, block_size, n_draft, params, cache, fold, table_bm, s
   catch-up (rows start .. pos - 2) and this round's first draft (row pos - 1, from the
   pending token and h at pos - 1) are one MTP call over those rows: the catch-up is folded
   into the next round (`finish_fold` after the last one).
+  min_draft_lanes: the drafting steps after the first (one token per lane) run over at
+  least this many lanes, the others inert: the engine's batch-invariant row count
+  (`engine.invariant_tokens`), so that a request's drafts, like its verified tokens, do not
+  depend on the batch it shares. The verify and the catch-up carry D + 1 tokens per lane.
   """
   b, d = st["tok"].shape[0], n_draft
   act = st["active"].astype(jnp.int32)
   n0 = st["pos"]
-  keys = sampling.row_keys(st["seed"], st["req"], st["n_gen"])
-  keys = jax.vmap(lambda k: jax.random.split(k, d + 1))(keys)            # [b, D+1, key]
+  greedy = _all_greedy(st)
+  def draw_keys():                                                       # [b, D+1, key]
+    keys = sampling.row_keys(st["seed"], st["req"], st["n_gen"])
+    return jax.vmap(lambda k: jax.random.split(k, d + 1))(keys)
+  shape = jax.eval_shape(draw_keys)
+  keys = jax.lax.cond(greedy, lambda: jnp.zeros(shape.shape, shape.dtype), draw_keys)
   rep = lambda x: jnp.repeat(x, d + 1, axis=0)
 
   def sample_draft(logits_bv, k):
-    logq = sampling.sampling_logprobs(logits_bv, st["temp"], st["top_k"], st["top_p"])
-    return sampling.sample(keys[:, k], logq, st["temp"] <= 0), logq
+    def draw():
+      logq = sampling.sampling_logprobs(logits_bv, st["temp"], st["top_k"], st["top_p"])
+      return sampling.sample(keys[:, k], logq), logq
+    return jax.lax.cond(greedy, lambda: (sampling.greedy(logits_bv),
+                                         jnp.zeros(logits_bv.shape, jnp.float32)), draw)
 
   # 1. Draft with the shared MTP module: catch-up rows + draft 1 in one call, then one
   #    scanned step per further draft.
@@ -206,12 +252,16 @@ def speculative_round(cfg, block_size, n_draft, params, cache, fold, table_bm, s
   h1 = jnp.take_along_axis(h, at, axis=1)[:, 0]
   tok1, logq1 = sample_draft(jnp.take_along_axis(logits, at, axis=1)[:, 0], 0)
 
+  lanes = max(b, min_draft_lanes)
+  pad_table = _pad_lanes(table_bm, lanes, num_rows(cache) // block_size)   # no block held
+
   def draft(carry, k):
     cache, tok_b, h_bd = carry
-    h, logits, cache = mtp(cfg, block_size, params, cache, table_bm, tok_b[:, None],
-                           h_bd[:, None], n0 - 1 + k, act)
-    tok_b, logq = sample_draft(logits[:, 0], k)
-    return (cache, tok_b, h[:, 0].astype(h_bd.dtype)), (tok_b, logq)
+    h, logits, cache = mtp(cfg, block_size, params, cache, pad_table,
+                           _pad_lanes(tok_b[:, None], lanes), _pad_lanes(h_bd[:, None], lanes),
+                           _pad_lanes(n0 - 1 + k, lanes), _pad_lanes(act, lanes))
+    tok_b, logq = sample_draft(logits[:b, 0], k)
+    return (cache, tok_b, h[:b, 0].astype(h_bd.dtype)), (tok_b, logq)
 
   (cache, _, _), (drafts, logqs) = jax.lax.scan(draft, (cache, tok1, h1.astype(fold["h"].dtype)),
                                                 jnp.arange(1, d))
@@ -224,11 +274,14 @@ def speculative_round(cfg, block_size, n_draft, params, cache, fold, table_bm, s
   h0 = out.last_hidden
   logits = head(cfg, params, out.hidden)                                 # [b, D+1, V]
   v = logits.shape[-1]
-  logp = sampling.sampling_logprobs(logits.reshape(b * (d + 1), v), rep(st["temp"]),
-                                    rep(st["top_k"]), rep(st["top_p"])).reshape(b, d + 1, v)
 
   # 3. Accept, then cut at a stop token or the budget.
-  n_acc, y = sampling.speculative_accept(keys[:, d], drafts_bd, logq_bdv, logp)
+  def accept():
+    logp = sampling.sampling_logprobs(logits.reshape(b * (d + 1), v), rep(st["temp"]),
+                                      rep(st["top_k"]), rep(st["top_p"])).reshape(b, d + 1, v)
+    return sampling.speculative_accept(keys[:, d], drafts_bd, logq_bdv, logp)
+
+  n_acc, y = jax.lax.cond(greedy, lambda: sampling.greedy_accept(drafts_bd, logits), accept)
   i_t = jnp.arange(d + 1)[None, :]
   out_tok = jnp.where(i_t < n_acc[:, None], jnp.pad(drafts_bd, ((0, 0), (0, 1))), y[:, None])
   out_lp = sampling.raw_logprobs(logits, out_tok)
