@@ -119,13 +119,14 @@ def test_greedy_accept_equals_speculative_accept_on_one_hot_distributions(rng, d
   target = np.argmax(np.asarray(logits), -1)
   drafts = np.where(rng.random((b, d)) < 0.7, target[:, :d], rng.integers(0, v, (b, d)))
   zeros = lambda n: jnp.zeros(n)
-  onehot = lambda x, n: sampling.sampling_logprobs(x.reshape(n, v), zeros(n),
-                                                   jnp.zeros(n, jnp.int32), jnp.ones(n))
+  onehot = lambda x, n: jax.jit(sampling.sampling_logprobs)(x.reshape(n, v), zeros(n),
+                                                            jnp.zeros(n, jnp.int32), jnp.ones(n))
   logq = jnp.log(jax.nn.one_hot(drafts, v)).reshape(b, d, v)
   logp = onehot(logits, b * (d + 1)).reshape(b, d + 1, v)
   keys = jax.random.split(jax.random.PRNGKey(0), b)
-  want_n, want_y = sampling.speculative_accept(keys, jnp.asarray(drafts, jnp.int32), logq, logp)
-  got_n, got_y = sampling.greedy_accept(jnp.asarray(drafts, jnp.int32), logits)
+  want_n, want_y = jax.jit(sampling.speculative_accept)(keys, jnp.asarray(drafts, jnp.int32),
+                                                       logq, logp)
+  got_n, got_y = jax.jit(sampling.greedy_accept)(jnp.asarray(drafts, jnp.int32), logits)
   np.testing.assert_array_equal(got_n, want_n)
   np.testing.assert_array_equal(got_y, want_y)
   assert 0 < int(np.sum(np.asarray(got_n) == d)) < b                  # all kept and cut rows

@@ -228,20 +228,20 @@ def speculative_round(cfg, block_size, n_draft, params, cache, fold, table_bm, s
   b, d = st["tok"].shape[0], n_draft
   act = st["active"].astype(jnp.int32)
   n0 = st["pos"]
-  greedy = _all_greedy(st)
+  all_greedy = _all_greedy(st)
   def draw_keys():                                                       # [b, D+1, key]
     keys = sampling.row_keys(st["seed"], st["req"], st["n_gen"])
     return jax.vmap(lambda k: jax.random.split(k, d + 1))(keys)
   shape = jax.eval_shape(draw_keys)
-  keys = jax.lax.cond(greedy, lambda: jnp.zeros(shape.shape, shape.dtype), draw_keys)
+  keys = jax.lax.cond(all_greedy, lambda: jnp.zeros(shape.shape, shape.dtype), draw_keys)
   rep = lambda x: jnp.repeat(x, d + 1, axis=0)
 
   def sample_draft(logits_bv, k):
     def draw():
       logq = sampling.sampling_logprobs(logits_bv, st["temp"], st["top_k"], st["top_p"])
       return sampling.sample(keys[:, k], logq), logq
-    return jax.lax.cond(greedy, lambda: (sampling.greedy(logits_bv),
-                                         jnp.zeros(logits_bv.shape, jnp.float32)), draw)
+    return jax.lax.cond(all_greedy, lambda: (sampling.greedy(logits_bv),
+                                             jnp.zeros(logits_bv.shape, jnp.float32)), draw)
 
   # 1. Draft with the shared MTP module: catch-up rows + draft 1 in one call, then one
   #    scanned step per further draft.
@@ -281,7 +281,7 @@ def speculative_round(cfg, block_size, n_draft, params, cache, fold, table_bm, s
                                       rep(st["top_k"]), rep(st["top_p"])).reshape(b, d + 1, v)
     return sampling.speculative_accept(keys[:, d], drafts_bd, logq_bdv, logp)
 
-  n_acc, y = jax.lax.cond(greedy, lambda: sampling.greedy_accept(drafts_bd, logits), accept)
+  n_acc, y = jax.lax.cond(all_greedy, lambda: sampling.greedy_accept(drafts_bd, logits), accept)
   i_t = jnp.arange(d + 1)[None, :]
   out_tok = jnp.where(i_t < n_acc[:, None], jnp.pad(drafts_bd, ((0, 0), (0, 1))), y[:, None])
   out_lp = sampling.raw_logprobs(logits, out_tok)
