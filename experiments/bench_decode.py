@@ -261,9 +261,9 @@ def _round_parts(cfg, params, d, iters=32):
         "seed": one, "req": one, "temp": jnp.zeros(1), "top_k": one * 0, "top_p": jnp.ones(1),
         "stop": -jnp.ones((1, 4), jnp.int32)}
   fold = steps.init_fold(st, jnp.zeros((1, cfg.hidden_size), cfg.dtype), d)
-  pad = lambda x, v=0: jnp.pad(x, [(0, lanes - 1)] + [(0, 0)] * (x.ndim - 1), constant_values=v)
   def plain(p, c):
-    c, _, outs = steps.decode(cfg, bs, 1, p, c, pad(table, nb), jax.tree.map(pad, st))
+    c, _, outs = steps.decode(cfg, bs, 1, p, c, steps.pad_lanes(table, lanes, nb),
+                              jax.tree.map(lambda x: steps.pad_lanes(x, lanes), st))
     return c, outs["logprob"]
   def spec(p, c):
     c, _, _, res = steps.speculative_round(cfg, bs, d, p, c, fold, table, st, lanes)

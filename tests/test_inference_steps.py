@@ -1,4 +1,5 @@
-"""`steps.scan_while_active`: a decode loop that stops once no row is active."""
+"""`steps.scan_while_active` (a decode loop that stops once no row is active) and
+`steps.pad_lanes`."""
 
 import jax
 import jax.numpy as jnp
@@ -46,3 +47,10 @@ def test_scan_while_active_stops_when_no_row_is_active(left, length):
     np.testing.assert_array_equal(outs["emit"][i], want["emit"])
     np.testing.assert_array_equal(outs["left"][i], want["left"])
   assert not np.any(np.asarray(outs["emit"][ran:]))                  # the rest: zeros
+
+
+def test_pad_lanes_appends_inert_rows_with_the_value():
+  x = np.arange(6, dtype=np.int32).reshape(2, 3)
+  got = steps.pad_lanes(jnp.asarray(x), 4, 9)
+  np.testing.assert_array_equal(got, np.concatenate([x, np.full((2, 3), 9, np.int32)]))
+  np.testing.assert_array_equal(steps.pad_lanes(jnp.asarray(x[0]), 2), [0, 1])  # 1-D, no-op

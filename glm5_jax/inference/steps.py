@@ -204,7 +204,7 @@ def finish_fold(cfg, block_size, params, cache, fold, table_bm, st):
   return cache, jnp.take_along_axis(fold["h"], last, axis=1)[:, 0]
 
 
-def _pad_lanes(x, n: int, value=0):
+def pad_lanes(x, n: int, value=0):
   """x [b, ...] with inert lanes appended up to n rows."""
   return jnp.pad(x, [(0, n - x.shape[0])] + [(0, 0)] * (x.ndim - 1), constant_values=value)
 
@@ -253,13 +253,13 @@ def speculative_round(cfg, block_size, n_draft, params, cache, fold, table_bm, s
   tok1, logq1 = sample_draft(jnp.take_along_axis(logits, at, axis=1)[:, 0], 0)
 
   lanes = max(b, min_draft_lanes)
-  pad_table = _pad_lanes(table_bm, lanes, num_rows(cache) // block_size)   # no block held
+  pad_table = pad_lanes(table_bm, lanes, num_rows(cache) // block_size)   # no block held
 
   def draft(carry, k):
     cache, tok_b, h_bd = carry
     h, logits, cache = mtp(cfg, block_size, params, cache, pad_table,
-                           _pad_lanes(tok_b[:, None], lanes), _pad_lanes(h_bd[:, None], lanes),
-                           _pad_lanes(n0 - 1 + k, lanes), _pad_lanes(act, lanes))
+                           pad_lanes(tok_b[:, None], lanes), pad_lanes(h_bd[:, None], lanes),
+                           pad_lanes(n0 - 1 + k, lanes), pad_lanes(act, lanes))
     tok_b, logq = sample_draft(logits[:b, 0], k)
     return (cache, tok_b, h[:b, 0].astype(h_bd.dtype)), (tok_b, logq)
 
