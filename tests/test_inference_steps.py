@@ -53,4 +53,4 @@ def test_pad_lanes_appends_inert_rows_with_the_value():
   x = np.arange(6, dtype=np.int32).reshape(2, 3)
   got = steps.pad_lanes(jnp.asarray(x), 4, 9)
   np.testing.assert_array_equal(got, np.concatenate([x, np.full((2, 3), 9, np.int32)]))
-  np.testing.assert_array_equal(steps.pad_lanes(jnp.asarray(x[0]), 2), [0, 1])  # 1-D, no-op
+  np.testing.assert_array_equal(steps.pad_lanes(jnp.asarray(x), 2), x)            # no-op
