@@ -25,8 +25,10 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        # nbclient, nbformat, ipykernel: tests/test_notebook.py runs notebooks/quickstart.ipynb.
-        "test": ["pytest>=8", "nbclient>=0.10", "nbformat>=5.9", "ipykernel>=6.29"],
+        # nbclient, nbformat, ipykernel: tests/test_notebook.py runs notebooks/quickstart.ipynb;
+        # pytest-xdist: the default run (launch/local.sh test) spreads test files over processes.
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "nbclient>=0.10", "nbformat>=5.9",
+                 "ipykernel>=6.29"],
         # Reference implementation for parity tests and the converter's checks.
         "hf": ["torch==2.13.0", "transformers>=5.24,<6"],
         # Deviceless compiles of the kernels (experiments/aot_*_kernels.py): libtpu

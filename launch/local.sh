@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Local entry point: creates .venv and installs glm5-jax on first use, then runs
 #   main   the tiny end-to-end job on CPU
-#   test   the default test suite (fast; what CI runs)
+#   test   the default test suite (fast; what CI runs), its files spread over
+#          $TEST_WORKERS processes (default 2; 1 runs them in this process)
 #   slow   the slow tests
 #   aot    run the rest of the line in .venv-aot, a second venv that adds libtpu (and
 #          Triton) so that the kernels compile for TPU / GPU targets on this host
@@ -45,7 +46,12 @@ case "$cmd" in
     python -m experiments.main_job --workdir="${WORKDIR:-workdir/main}" "$@" ;;
   test)
     shift
-    python -m pytest -q -m "not slow and not aot" "$@" ;;
+    workers=${TEST_WORKERS:-2}
+    if [ "$workers" = 1 ]; then
+      python -m pytest -q -m "not slow and not aot" "$@"
+    else
+      python -m pytest -q -m "not slow and not aot" -n "$workers" --dist loadfile "$@"
+    fi ;;
   slow)
     shift
     python -m pytest -q -m "slow and not aot" "$@" ;;
