@@ -108,6 +108,8 @@ def get_config(arg=None):
     c.seq_len, c.batch_size, c.total_steps = MIDTRAIN[a.context]
     c.learning_rate = 1e-3                # the paper gives none: half of pretraining's peak
     c.warmup_steps = min(c.warmup_steps, c.total_steps // 10)
+    if a.context == "200k":               # per-head keys / values of 202,752 keys do not fit
+      c.model.dense_attention_form = "absorbed"   # (docs/long_context.md, train-step memory)
   if a.stage == "sft":                    # conversations: --config.data.sources=FILE.jsonl
     c.data.dir = os.path.expanduser("~/.cache/glm5_jax/sft")
     c.data.val_fraction = 0.02

@@ -71,6 +71,10 @@ _RULES = flags.DEFINE_enum(
 _DISPATCH = flags.DEFINE_enum(
     "expert_dispatch", "all_to_all", ["all_to_all", "gspmd"],
     "ModelConfig.expert_dispatch with expert > 1: nn/moe_ep.py's dropless all-to-all, or GSPMD")
+_DENSE_FORM = flags.DEFINE_enum(
+    "dense_attention_form", "expanded", ["expanded", "absorbed"],
+    "ModelConfig.dense_attention_form: the dense stages' MLA attention over per-head keys "
+    "and values, or absorbed (MQA over the latent rows)")
 _CAPACITY = flags.DEFINE_float(
     "moe_capacity_factor", 0.0, "ModelConfig.moe_capacity_factor: 0 = dropless all-to-all "
     "buffers sized for the worst case; c > 0 bounds them to ceil(c n K / ep) rows per shard pair")
@@ -117,10 +121,10 @@ def train_config(stage: str, seq_len: int, batch: int, mesh_sizes: dict[str, int
 
 
 def model_config(stage: str, num_layers: int, param_dtype: str, dispatch: str,
-                 capacity_factor: float = 0.0):
+                 capacity_factor: float = 0.0, dense_form: str = "expanded"):
   over = dict(dtype="bfloat16", param_dtype=param_dtype, remat="full", attention_impl="xla",
               num_hidden_layers=num_layers, expert_dispatch=dispatch,
-              moe_capacity_factor=capacity_factor)
+              moe_capacity_factor=capacity_factor, dense_attention_form=dense_form)
   return step_lib.stage_model_config(config_lib.get_preset("glm5", **over), stage)
 
 
@@ -156,7 +160,7 @@ def _oom(msg: str) -> dict:
 
 def compile_one(topology, devices, mesh_sizes, stage, seq_len, num_layers, param_dtype,
                 rule_name, dispatch, hbm, *, part="step", do_compile=True,
-                capacity_factor: float = 0.0):
+                capacity_factor: float = 0.0, dense_form: str = "expanded"):
   """Compiles one train step; returns a result row.
 
   `state_bytes` (params + optimizer state + batch per device) comes from the shardings,
@@ -171,8 +175,9 @@ def compile_one(topology, devices, mesh_sizes, stage, seq_len, num_layers, param
              part=part, rules=rule_name, expert_dispatch=dispatch,
              moe_capacity_factor=capacity_factor, stage=stage, seq_len=seq_len,
              global_batch=batch, tokens_per_device=batch * seq_len // mesh.size,
-             num_layers=num_layers, param_dtype=param_dtype, hbm_bytes=hbm * GIB)
-  cfg = model_config(stage, num_layers, param_dtype, dispatch, capacity_factor)
+             num_layers=num_layers, param_dtype=param_dtype, hbm_bytes=hbm * GIB,
+             dense_attention_form=dense_form)
+  cfg = model_config(stage, num_layers, param_dtype, dispatch, capacity_factor, dense_form)
   c = train_config(stage, seq_len, batch, mesh_sizes)
   tx = step_lib.make_optimizer(c)
   # Outside the mesh context, as in the loop: GLM5.init traces the model on [1, 8] tokens,
@@ -256,6 +261,7 @@ def table(rows) -> str:
     mesh = "".join(f"{a[0]}{m[a]} " for a in shd.MESH_AXES if m[a] > 1).strip()
     mesh += {"default": "", "embed_over_context": "*", "lora_over_fsdp": "**"}[r["rules"]]
     stage = r["stage"] if r.get("part", "step") == "step" else f"{r['stage'][:5]}:{r['part']}"
+    stage += "+abs" if r.get("dense_attention_form") == "absorbed" else ""
     lead = (f"{r['topology']:<11}{mesh:<19}{stage:<11}{r['seq_len']:>7}{r['num_layers']:>4}"
             f"{'f32' if r['param_dtype'] == 'float32' else 'bf16':>7}"
             f"{r.get('moe_capacity_factor') or '-':>5}{r['compile_seconds']:>10.0f}")
@@ -318,7 +324,7 @@ def main(argv):
                   preset="glm5", num_layers=layers, param_dtype=_PARAM_DTYPE.value,
                   dtype="bfloat16", remat="full", attention_impl="xla", rules=_RULES.value,
                   expert_dispatch=_DISPATCH.value, moe_capacity_factor=_CAPACITY.value,
-                  part=_PART.value)
+                  part=_PART.value, dense_attention_form=_DENSE_FORM.value)
   print(f"target: {len(devices)} x {kind}, {hbm:g} GiB HBM each; compiled on "
         f"{jax.devices()[0].device_kind}; {settings}")
   rows = []
@@ -327,7 +333,8 @@ def main(argv):
       for t in (int(x) for x in _SEQ_LENS.value):
         r = compile_one(_TOPOLOGY.value, devices, sizes, stage, t, layers, _PARAM_DTYPE.value,
                         _RULES.value, _DISPATCH.value, hbm, part=_PART.value,
-                        do_compile=_COMPILE.value, capacity_factor=_CAPACITY.value)
+                        do_compile=_COMPILE.value, capacity_factor=_CAPACITY.value,
+                        dense_form=_DENSE_FORM.value)
         rows.append(r)
         done = {True: "ok", None: "not compiled", False: f"FAILED {r.get('error', '')[:300]}"}
         print(f"  {sizes} {stage} t={t}: {done[r['ok']]} ({r['compile_seconds']:.0f} s); "

@@ -19,6 +19,7 @@ from typing import Any, Sequence
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
 _ATTENTION_IMPLS = ("xla", "pallas")
 _ATTENTION_TYPES = ("sparse", "dense")
+_DENSE_ATTENTION_FORMS = ("expanded", "absorbed")
 _REMAT = ("none", "full", "save_dots")
 _EXPERT_DISPATCH = ("all_to_all", "gspmd")
 _INDEXER_TYPES = ("full", "shared")
@@ -77,6 +78,10 @@ class ModelConfig:
   attention_impl: str = "xla"             # "xla" | "pallas"
   attention_chunk_size: int = 512         # query chunk of the jnp indexer/sparse path; query
                                           # and key block of dense attention + its indexer KL
+  dense_attention_form: str = "expanded"  # training's dense MLA attention: "expanded" (per-head
+                                          # keys and values for all s keys) | "absorbed" (MQA
+                                          # over the latent rows: O(s) less memory, wider dots;
+                                          # long context, nn/mla.py mla_dense_attention)
   dtype: str = "float32"                  # activation / compute dtype
   param_dtype: str = "float32"            # master weights
   remat: str = "none"                     # "none" | "full" | "save_dots"
@@ -290,6 +295,7 @@ def _validate(c: ModelConfig) -> None:
       _err("indexer_types", c.indexer_types, "layer 0 must be 'full' (a 'shared' layer reuses "
            "the previous full layer's top-k)")
   for f, allowed in (("attention_type", _ATTENTION_TYPES), ("attention_impl", _ATTENTION_IMPLS),
+                     ("dense_attention_form", _DENSE_ATTENTION_FORMS),
                      ("dtype", _DTYPES), ("param_dtype", _DTYPES), ("remat", _REMAT),
                      ("expert_dispatch", _EXPERT_DISPATCH)):
     if getattr(c, f) not in allowed:

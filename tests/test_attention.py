@@ -71,6 +71,27 @@ def test_queries_anywhere_in_the_keys(rng):
   assert float(out) == 0.0 and float(jnp.max(jnp.abs(dq))) == 0.0
 
 
+@pytest.mark.parametrize("block_q,block_k", [(1, 3), (8, 8)])
+def test_shared_key_head_equals_unblocked(rng, block_q, block_k):
+  # MQA: keys [b, s, d] and values [b, s, e] shared by the 3 query heads, queries anywhere
+  # in the keys, packed documents; gradients of the shared keys sum over the heads.
+  q, k, v = _qkv(rng, t=9, s=23)
+  k, v = k[:, :, 0], v[:, :, 0]
+  limit = jnp.broadcast_to(jnp.arange(10, 19, dtype=jnp.int32), (2, 9))
+  kw = dict(scale=0.3, start_bt=_doc_starts(rng, 2, 9) + 4, limit_bt=limit)
+  ref = lambda q, k, v: attention.reference_attention(
+      q, jnp.broadcast_to(k[:, :, None], (2, 23, 3, 5)),
+      jnp.broadcast_to(v[:, :, None], (2, 23, 3, 4)), **kw)
+  _assert_same(lambda *x: attention.flash_attention(*x, block_q=block_q, block_k=block_k, **kw),
+               ref, (q, k, v), rng)
+
+
+def test_splash_refuses_shared_keys_by_name(rng):
+  q, k, v = _qkv(rng)
+  with pytest.raises(ValueError, match=r"impl='pallas'.*keys \[b, s, h, d\]"):
+    attention.dense_attention(q, k[:, :, 0], v[:, :, 0], scale=0.3, impl="pallas")
+
+
 def _mla_inputs(rng, b=2, t=21, s=21, h=3, n=5, p=4, c=6, v=5, dtype=jnp.float32):
   a = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)
   return (a(b, t, h, n), a(b, t, h, p), a(b, s, c), a(b, s, p), a(c, h, n), a(c, h, v))
@@ -106,6 +127,26 @@ def test_mla_dense_with_explicit_limits_equals_expanded_reference(rng):
   _assert_same(lambda *x: mla.mla_dense_attention(cfg, *x, doc_start=doc_start, limit=limit),
                lambda *x: mla.mla_expanded_attention(*x, mask_bts=mask, scale=cfg.softmax_scale),
                x, rng)
+
+
+@pytest.mark.parametrize("explicit_limits", [False, True])
+def test_mla_dense_absorbed_form_equals_expanded_reference(rng, explicit_limits):
+  # dense_attention_form="absorbed": MQA over the latent rows, the same attention.
+  cfg = _mla_cfg(dense_attention_form="absorbed")
+  if not explicit_limits:
+    _assert_same(*_mla_pair(cfg, _doc_starts(rng, 2, 21)), _mla_inputs(rng), rng)
+    return
+  doc_start = jnp.asarray([[0] * 7, [9] * 7], jnp.int32)
+  limit = attention.causal_limit(2, 7, 21)
+  mask = mla.causal_mask(7, 21)[None] & mla.document_mask(doc_start, 21)
+  _assert_same(lambda *x: mla.mla_dense_attention(cfg, *x, doc_start=doc_start, limit=limit),
+               lambda *x: mla.mla_expanded_attention(*x, mask_bts=mask, scale=cfg.softmax_scale),
+               _mla_inputs(rng, t=7, s=21), rng)
+
+
+def test_dense_attention_form_is_checked_by_name():
+  with pytest.raises(ValueError, match="dense_attention_form.*'expanded', 'absorbed'"):
+    _mla_cfg(dense_attention_form="mqa")
 
 
 def test_mla_dense_float64_equals_expanded_reference(rng):

@@ -1,7 +1,7 @@
 """Context parallelism (glm5_jax/nn/context_parallel.py): sequences split over `context`.
 
 Losses and gradients on 8 fake devices equal one device's (1e-5), for the dense stages
-(pretrain: dense attention, LM + MTP losses; dsa_warmup: the dense indexer KL) and a sparse
+(pretrain: dense attention, expanded and absorbed, LM + MTP losses; dsa_warmup: the dense indexer KL) and a sparse
 one (dsa_sparse: top-k attention, LM + MTP + sparse KL), with `context=8` and with `data=2, context=2, expert=2`; the HLO
 all-gathers MLA's latent rows and never per-head keys or values.
 """
@@ -64,7 +64,9 @@ _SCRIPT = textwrap.dedent("""
     return re.findall(r"= (\\w+\\[[\\d,]*\\])[^=]*? all-gather(?:-start)?\\(", hlo)
 
   dense = dict(attention_type="dense")
-  for stage, over in (("pretrain", dense), ("dsa_warmup", dense), ("dsa_sparse", {})):
+  absorbed = dict(dense, dense_attention_form="absorbed")
+  for stage, over in (("pretrain", dense), ("pretrain", absorbed), ("dsa_warmup", dense),
+                      ("dsa_sparse", {})):
     # Blocks of 8 queries and keys: every query-blocked loop walks several blocks per shard.
     cfg = config_lib.get_preset("tiny", num_hidden_layers=2, attention_chunk_size=8, **over)
     params = gnn.init_params(cfg, 0)
@@ -72,19 +74,19 @@ _SCRIPT = textwrap.dedent("""
     for sizes in ({"context": 8}, {"data": 2, "context": 2, "expert": 2}):
       got, got_g, hlo = run(cfg, stage, params, shd.make_mesh(sizes))
       for k in ("loss", "ce", "mtp", "indexer_kl"):
-        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=f"{stage} {sizes} {k}")
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=f"{stage} {over} {sizes} {k}")
       flat = jax.tree_util.tree_flatten_with_path(want_g)[0]
       for (path, w), g in zip(flat, jax.tree.leaves(got_g)):
         scale = max(float(np.max(np.abs(w))), 1e-6)
         err = float(np.max(np.abs(np.asarray(g) - np.asarray(w))))
-        assert err <= 1e-5 * scale + 1e-7, (stage, sizes, jax.tree_util.keystr(path), err, scale)
+        assert err <= 1e-5 * scale + 1e-7, (stage, over, sizes, jax.tree_util.keystr(path), err, scale)
       shapes = gathers(hlo)
       latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
       assert any(s.endswith(f",{t},{latent}]") for s in shapes), (stage, sizes, shapes)
       heads = cfg.num_attention_heads
       per_head = [s for s in shapes if re.search(rf",{t},{heads},\\d+\\]$", s)]
       assert not per_head, (stage, sizes, per_head)
-      print(stage, sizes, "all-gathers:", sorted(set(shapes)))
+      print(stage, over, sizes, "all-gathers:", sorted(set(shapes)))
   print("OK")
 """)
 

@@ -23,6 +23,13 @@ memory is linear in the sequence length at fixed block sizes. A query block only
 visits the key blocks between its smallest start and its largest limit (causal:
 half the tiles are skipped).
 
+Keys and values come either one head per query head (`[b, s, h, d]`, MHA) or as one
+head that all query heads share (`[b, s, d]`, MQA). MLA's absorbed form is the second:
+queries `[q_nope W_UK^T | q_rope]` against the latent rows `[c_kv | k_rope]`, values
+`c_kv` (nn/mla.py), so per-head keys and values are never built. With s keys and h heads
+that keeps O(s * h * (d + e)) of keys, values and their gradients out of memory, at the
+price of wider dot products (MLA's latent width instead of its head dims).
+
 `splash_attention` is jax's Pallas splash attention kernel for TPU
 (`jax.experimental.pallas.ops.tpu.splash_attention`): a causal mask plus segment
 ids, here the document starts (key j is in query i's document iff
@@ -119,6 +126,11 @@ def _tiles(q, k, v, start, limit, block_q: int, block_k: int):
   return (_pad_rows(q, bq), _pad_rows(k, bk), _pad_rows(v, bk), start, limit, bq, bk)
 
 
+def _kv_subscripts(k):
+  """einsum subscripts of a key / value block: one head per query head, or one shared."""
+  return ("bkhd", "bkhe") if k.ndim == 4 else ("bkd", "bke")
+
+
 def _acc_dtype(q):
   return jnp.promote_types(q.dtype, jnp.float32)        # float64 stays float64 in tests
 
@@ -129,20 +141,21 @@ def _forward(q, k, v, start, limit, scale, block_q, block_k):
   acc_t = _acc_dtype(q)
   qp, kp, vp, st, li, bq, bk = _tiles(q, k, v, start, limit, block_q, block_k)
   e = v.shape[-1]
+  ks, vs = _kv_subscripts(k)
 
   def query_block(i, bufs):
     q_i, st_i, li_i = _rows(qp, i, bq), _rows(st, i, bq), _rows(li, i, bq)
 
     def key_block(j, carry):
       m, l, acc = carry
-      logits = jnp.einsum("bqhd,bkhd->bhqk", q_i, _rows(kp, j, bk),
+      logits = jnp.einsum(f"bqhd,{ks}->bhqk", q_i, _rows(kp, j, bk),
                           preferred_element_type=acc_t) * scale
       logits = jnp.where(_tile_mask(st_i, li_i, j, bk), logits, -jnp.inf)
       m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
       m_use = jnp.where(jnp.isfinite(m_new), m_new, 0.0)   # rows with nothing seen yet
       p = jnp.exp(logits - m_use[..., None])
       alpha = jnp.exp(m - m_use)
-      pv = jnp.einsum("bhqk,bkhe->bhqe", p.astype(vp.dtype), _rows(vp, j, bk),
+      pv = jnp.einsum(f"bhqk,{vs}->bhqe", p.astype(vp.dtype), _rows(vp, j, bk),
                       preferred_element_type=acc_t)
       return m_new, alpha * l + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv
 
@@ -168,6 +181,7 @@ def _backward(q, k, v, start, limit, o, lse, do, scale, block_q, block_k):
   acc_t = _acc_dtype(q)
   qp, kp, vp, st, li, bq, bk = _tiles(q, k, v, start, limit, block_q, block_k)
   do_p, o_p = _pad_rows(do.astype(o.dtype), bq), _pad_rows(o, bq)
+  ks, vs = _kv_subscripts(k)
 
   def query_block(i, bufs):
     q_i, do_i, lse_i = _rows(qp, i, bq), _rows(do_p, i, bq), _rows(lse, i, bq, axis=2)
@@ -177,14 +191,14 @@ def _backward(q, k, v, start, limit, o, lse, do, scale, block_q, block_k):
     def key_block(j, carry):
       dq_i, dk, dv = carry
       k_j, v_j = _rows(kp, j, bk), _rows(vp, j, bk)
-      logits = jnp.einsum("bqhd,bkhd->bhqk", q_i, k_j, preferred_element_type=acc_t) * scale
+      logits = jnp.einsum(f"bqhd,{ks}->bhqk", q_i, k_j, preferred_element_type=acc_t) * scale
       p = jnp.where(_tile_mask(st_i, li_i, j, bk), jnp.exp(logits - lse_i[..., None]), 0.0)
-      dv_j = jnp.einsum("bhqk,bqhe->bkhe", p.astype(do_i.dtype), do_i,
+      dv_j = jnp.einsum(f"bhqk,bqhe->{vs}", p.astype(do_i.dtype), do_i,
                         preferred_element_type=acc_t)
-      dp = jnp.einsum("bqhe,bkhe->bhqk", do_i, v_j, preferred_element_type=acc_t)
+      dp = jnp.einsum(f"bqhe,{vs}->bhqk", do_i, v_j, preferred_element_type=acc_t)
       ds = (p * (dp - delta[..., None]) * scale).astype(q_i.dtype)
-      dq_i = dq_i + jnp.einsum("bhqk,bkhd->bqhd", ds, k_j, preferred_element_type=acc_t)
-      dk_j = jnp.einsum("bhqk,bqhd->bkhd", ds, q_i, preferred_element_type=acc_t)
+      dq_i = dq_i + jnp.einsum(f"bhqk,{ks}->bqhd", ds, k_j, preferred_element_type=acc_t)
+      dk_j = jnp.einsum(f"bhqk,bqhd->{ks}", ds, q_i, preferred_element_type=acc_t)
       return dq_i, _add_rows(dk, j, bk, dk_j), _add_rows(dv, j, bk, dv_j)
 
     dq, dk, dv = bufs
@@ -222,12 +236,15 @@ def flash_attention(q_bthd, k_bshd, v_bshe, *, scale: float, start_bt=None, limi
   """Blockwise exact attention in XLA. Returns o [b, t, h, e] in v's dtype.
 
   Args:
-    q_bthd, k_bshd, v_bshe: queries, keys, values (one key / value head per query head).
+    q_bthd, k_bshd, v_bshe: queries [b, t, h, d]; keys [b, s, h, d] and values
+      [b, s, h, e] (one head per query head), or keys [b, s, d] and values [b, s, e]
+      (one head shared by all query heads: MQA; module docstring).
     scale: logit scale.
     start_bt, limit_bt: int32 [b, t] visible key interval per query (module docstring);
       default 0 and `causal_limit`.
     block_q, block_k: query / key tile; peak temporaries O(b * h * block_q * block_k)
-      besides the O((t + s) * h * (d + e)) inputs, outputs and gradients.
+      besides the inputs, outputs and gradients: O((t + s) * h * (d + e)), or
+      O(t * h * (d + e) + s * (d + e)) with shared keys and values.
 
   Logits and softmax statistics are float32 (float64 for float64 inputs); the
   probabilities meet v in v's dtype, as in `mla.mla_expanded_attention`.
@@ -296,6 +313,10 @@ def dense_attention(q_bthd, k_bshd, v_bshe, *, scale: float, start_bt=None, limi
     return flash(q_bthd, k_bshd, v_bshe)
   if impl != "pallas":
     raise ValueError(f"dense_attention: impl={impl!r}, expected one of {IMPLS}")
+  if k_bshd.ndim != 4:
+    raise ValueError(f"dense_attention: impl='pallas' (splash) takes one key / value head "
+                     f"per query head, keys [b, s, h, d]; got keys of shape {k_bshd.shape} "
+                     "(shared keys: use impl='xla')")
   if limit_bt is not None or q_bthd.shape[1] != k_bshd.shape[1]:
     raise ValueError("dense_attention: impl='pallas' (splash) is causal self-attention: "
                      f"expected limit_bt=None and t == s, got limit_bt "
@@ -324,8 +345,11 @@ def _per_shard(kernel, scale, interpret, q, k, v, doc_start):
 def reference_attention(q_bthd, k_bshd, v_bshe, *, scale: float, start_bt=None,
                         limit_bt=None):
   """The unblocked [b, h, t, s] computation `flash_attention` must equal (tests)."""
-  b, t = q_bthd.shape[:2]
+  b, t, h = q_bthd.shape[:3]
   s = k_bshd.shape[1]
+  if k_bshd.ndim == 3:                                  # one shared head: give every query head it
+    k_bshd = jnp.broadcast_to(k_bshd[:, :, None], (b, s, h, k_bshd.shape[-1]))
+    v_bshe = jnp.broadcast_to(v_bshe[:, :, None], (b, s, h, v_bshe.shape[-1]))
   start, limit = visible_range(b, t, s, start_bt, limit_bt)
   acc_t = _acc_dtype(q_bthd)
   logits = jnp.einsum("bthd,bshd->bhts", q_bthd, k_bshd, preferred_element_type=acc_t) * scale

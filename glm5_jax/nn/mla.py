@@ -72,12 +72,27 @@ def mla_dense_attention(cfg, q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, doc_start
   """Causal (+ document) expanded MLA attention, blockwise (nn/attention.py). o [b, t, h, v].
 
   Equals `mla_expanded_attention` with `causal_mask & document_mask`, with memory
-  linear in t: the per-head keys [k_nope | k_rope] and values (linear in s) are
-  materialised, the [t, s] logits are not. Query i sees keys doc_start[b, i] <= j <=
-  limit[b, i] (int32 [b, t]; defaults 0 and causal s - t + i). The splash kernel
-  (attention_impl="pallas" on TPU) takes only the causal diagonal (t == s, limit None);
-  anything else runs the XLA path.
+  linear in t: the [t, s] logits are never materialised. Query i sees keys
+  doc_start[b, i] <= j <= limit[b, i] (int32 [b, t]; defaults 0 and causal s - t + i).
+
+  cfg.dense_attention_form picks what the keys are:
+    "expanded"  per-head keys [k_nope | k_rope] and values for all s keys (s * h * (d + e)
+                values, and their float32 gradients); the splash kernel
+                (attention_impl="pallas" on TPU) runs it on the causal diagonal (t == s,
+                limit None), anything else the XLA path.
+    "absorbed"  queries [q_nope W_UK^T | q_rope] against the shared latent rows
+                [c_kv | k_rope], values c_kv, then W_UV (`mla_absorbed_attention`'s form,
+                blockwise, XLA path): keys and values stay s * (c + p) values, the dots
+                are c + p and c wide instead of n + p and v. At GLM-5's shapes and 202,752
+                keys the expanded keys and values are 13 GB in bfloat16 per sequence.
   """
+  if cfg.dense_attention_form == "absorbed":
+    kv = jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], axis=-1)
+    u = attention.dense_attention(
+        absorb_query(q_nope, q_rope, w_uk), kv, c_kv, scale=cfg.softmax_scale,
+        start_bt=doc_start, limit_bt=limit, impl="xla", block_q=cfg.attention_chunk_size,
+        block_k=cfg.attention_chunk_size)
+    return jnp.einsum("bthc,chv->bthv", u, w_uv)
   b, s, h = c_kv.shape[0], c_kv.shape[1], q_nope.shape[2]
   k_nope = jnp.einsum("bsc,chn->bshn", c_kv, w_uk)
   v = jnp.einsum("bsc,chv->bshv", c_kv, w_uv)
