@@ -69,7 +69,7 @@ def mla_expanded_attention(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, mask_bts, s
 
 def mla_dense_attention(cfg, q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, doc_start=None,
                         limit=None):
-  """Causal (+ document) expanded MLA attention, blockwise (nn/attention.py). o [b, t, h, v].
+  """Causal (+ document) MLA attention, blockwise (nn/attention.py). o [b, t, h, v].
 
   Equals `mla_expanded_attention` with `causal_mask & document_mask`, with memory
   linear in t: the [t, s] logits are never materialised. Query i sees keys
