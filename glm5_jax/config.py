@@ -80,7 +80,7 @@ class ModelConfig:
                                           # and key block of dense attention + its indexer KL
   dense_attention_form: str = "expanded"  # training's dense MLA attention: "expanded" (per-head
                                           # keys and values for all s keys) | "absorbed" (MQA
-                                          # over the latent rows: keys / values h times
+                                          # over the latent rows: keys / values about h x
                                           # smaller, wider dots;
                                           # long context, nn/mla.py mla_dense_attention)
   dtype: str = "float32"                  # activation / compute dtype
