@@ -5,6 +5,26 @@ from __future__ import annotations
 import ml_collections
 
 
+def add_runtime(c: ml_collections.ConfigDict, *, num_devices: int = 0,
+                peak_tflops: float = 989.0) -> ml_collections.ConfigDict:
+  """The fields every training stage's runner reads (glm5_jax/train/loop.py): the mesh over
+  the first `num_devices` devices (0 = all), its logical-axis rules, jax.distributed,
+  gradient accumulation, profiling and the peak FLOP/s for MFU."""
+  c.peak_tflops = peak_tflops             # per chip, for MFU (H100/H200 bf16 dense)
+  c.microbatches = 1                      # gradient accumulation: the batch split in this many
+  c.profile_steps = ()                    # '(10, 13)': a jax.profiler trace of steps 10..12
+                                          # in WORKDIR/profile; () = none
+  # Mesh sizes (one -1 = the rest of the devices) and the logical-axis rules, over the first
+  # num_devices devices (0 = all; the main job keeps its other CPU device for RL rollouts).
+  c.num_devices = num_devices
+  c.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "context": 1, "expert": 1,
+                                      "tensor": 1})
+  c.mesh_rules = ml_collections.FieldReference(None, field_type=list)
+  c.distributed = ml_collections.ConfigDict({
+      "coordinator_address": "", "num_processes": 0, "process_id": -1, "cpu_collectives": False})
+  return c
+
+
 def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
   """Parses 'k1=v1,k2=v2' into a ConfigDict, typed by `defaults`; unknown keys fail.
 

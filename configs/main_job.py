@@ -46,6 +46,7 @@ def get_config(arg=None):
       "rl": rl.get_config(f"task={task},runlocal=True"),
   })
   r = c.post.rl
+  r.num_devices = 1                        # GRPO on device 0, as the other training stages
   r.total_steps = 100                      # past the thinking transition (docs/main_job.md)
   r.learning_rate = 2e-5                   # Muon's updates have a fixed size: small for RL
   r.log_every = 20

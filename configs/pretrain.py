@@ -74,21 +74,8 @@ def get_config(arg=None):
   c.grad_clip = 1.0
   c.loss_chunk = 512                      # sequence chunk of the cross entropy
   c.bias_update_rate = 1e-3               # aux-loss-free routing-bias speed (DeepSeek-V3)
-  c.peak_tflops = 989.0                   # per chip, for MFU (H100/H200 bf16 dense)
-  c.microbatches = 1                      # gradient accumulation: batch_size split in this many
-  c.profile_steps = ()                    # '(10, 13)': a jax.profiler trace of steps 10..12
-                                          # in WORKDIR/profile; () = none
   c.tensorboard = True
-
-  # Mesh sizes (one -1 = the rest of the devices) and the logical-axis rules, over the first
-  # num_devices devices (0 = all; the main job keeps its other CPU device for RL rollouts).
-  c.num_devices = 0
-  c.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "context": 1, "expert": 1,
-                                      "tensor": 1})
-  c.mesh_rules = ml_collections.FieldReference(None, field_type=list)
-
-  c.distributed = ml_collections.ConfigDict({
-      "coordinator_address": "", "num_processes": 0, "process_id": -1, "cpu_collectives": False})
+  common.add_runtime(c)                   # mesh, num_devices, distributed, microbatches, ...
 
   c.data = ml_collections.ConfigDict({
       "dir": os.path.expanduser("~/.cache/glm5_jax/stdlib_bytes"),

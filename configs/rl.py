@@ -26,6 +26,11 @@ def get_config(arg=None):
   c.keep_checkpoints = 2
   c.init_from = ""                        # SFT / pretraining workdir or HF directory
   c.tensorboard = True
+  c.async_checkpoints = False
+  # The trainer's mesh (data, fsdp, context, expert, tensor) over the first num_devices
+  # devices, as pretraining's; the rollout engine serves from the trainer's own arrays on the
+  # same mesh (colocated: generation and training alternate, a push is a version bump).
+  common.add_runtime(c)
 
   # Optimizer: Muon Split, indexer frozen (train/step.py STAGE_TABLE["rl"]), constant LR.
   c.optimizer = "muon_split"
@@ -74,4 +79,5 @@ def get_config(arg=None):
     c.rl.eval_problems = 500
     c.rl.checkpoint_every = 20
     c.learning_rate = 3e-4
+    c.peak_tflops = 0.2                   # a rough 2-core CPU figure
   return c

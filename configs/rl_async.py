@@ -20,15 +20,19 @@ from glm5_jax.rl import tasks
 def get_config(arg=None):
   a = common.parse_arg(arg, task="tool_calc", backend="local", runlocal=False)
   c = ml_collections.ConfigDict()
-  c.stage = "rl"
+  c.stage = "rl_async"
   c.seed = 0
   c.total_steps = 200                     # optimizer updates
   c.log_every = 1
   c.keep_checkpoints = 2
   c.init_from = ""                        # SFT / pretraining workdir or HF directory
   c.tensorboard = True
+  c.async_checkpoints = False
+  # The trainer's mesh over the first num_devices devices; rollout replicas take the devices
+  # after them (config.rl.placement).
+  common.add_runtime(c, num_devices=1)
 
-  c.optimizer = "muon_split"              # indexer frozen (train/step.py, stage 'rl')
+  c.optimizer = "muon_split"              # indexer frozen (train/step.py, stage 'rl_async')
   c.learning_rate = 2e-5
   c.adam_learning_rate = 0.0
   c.warmup_steps = 0
@@ -40,6 +44,9 @@ def get_config(arg=None):
   c.rl = ml_collections.ConfigDict({
       "backend": a.backend,               # "local": threads; "ray": Ray actors
       "ray_cpus_per_worker": 1,           # Ray actors' num_cpus
+      # How backend=ray pushes weights (async_loop.SNAPSHOT_STORES): "sharded": each
+      # process writes / reads only its own shards (rl/snapshots.py); "file": one file.
+      "snapshots": "sharded",
       "task": a.task,
       "task_options": ml_collections.ConfigDict(dataclasses.asdict(tasks.get(a.task).config)),
       "group_size": 8,                    # G
@@ -51,6 +58,18 @@ def get_config(arg=None):
       "eps_high": 0.28,
       "temperature": 1.0,
       "workers": 2,                       # rollout workers (data-parallel replicas)
+      # Where the replicas run (glm5_jax/rl/weights.py): "disaggregated": each on its own
+      # rollout_devices devices after the trainer's (round robin when there are too few),
+      # under rollout_mesh, a push a device-to-device reshard leaf by leaf; "colocated": on
+      # the trainer's own mesh, serving its arrays (a push is a version bump).
+      "placement": "disaggregated",
+      "rollout_devices": 1,
+      "rollout_mesh": ml_collections.ConfigDict({"data": -1, "fsdp": 1, "context": 1,
+                                                 "expert": 1, "tensor": 1}),
+      # Versions the trainer keeps (sharded like its params) to measure train/rollout
+      # |dlogp| under the version that sampled each token; 0 = tau + 1 (every version a
+      # consumed token may carry), fewer: tokens of older versions are counted unmeasured.
+      "gap_versions": 0,
       "engine_batch": 16,                 # slots per worker engine
       "engine_shape_buckets": False,      # False: one decode shape (all slots, whole view),
                                           # compiled once; True: per-call buckets
@@ -96,4 +115,5 @@ def get_config(arg=None):
     c.rl.eval_every = 10
     c.rl.eval_problems = 100
     c.rl.checkpoint_every = 10
+    c.peak_tflops = 0.2                   # a rough 2-core CPU figure
   return c

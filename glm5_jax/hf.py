@@ -299,6 +299,26 @@ def _np_dtype(name: str):
   return sio.DTYPES["BF16"] if name == "bfloat16" else np.dtype(name)
 
 
+def _config_and_tensors(path: str, overrides: dict):
+  """(HF config dict, ModelConfig, tensor infos); without the MTP layer's tensors the config
+  drops MTP (a transformers-saved checkpoint has none)."""
+  hf_cfg, cfg = _read_config(path, overrides)
+  infos = _tensor_infos(path)
+  mtp_prefix = f"model.layers.{cfg.num_hidden_layers}."
+  if cfg.num_nextn_predict_layers and not any(k.startswith(mtp_prefix) for k in infos):
+    logging.warning("%s: config has num_nextn_predict_layers=1 but no %s* tensors (a "
+                    "transformers-saved checkpoint drops them); loading without MTP.",
+                    path, mtp_prefix)
+    cfg = cfg.replace(num_nextn_predict_layers=0, mtp_num_steps=0)
+  return hf_cfg, cfg, infos
+
+
+def read_config(path: str, **config_overrides) -> ModelConfig:
+  """The ModelConfig `load_pretrained(path)` returns, from config.json and the safetensors
+  headers alone (no tensor is read)."""
+  return _config_and_tensors(path, config_overrides)[1]
+
+
 def load_pretrained(path: str, *, param_dtype: str | None = None, to_device: bool = True,
                     mesh=None, rules=None, **config_overrides) -> tuple[ModelConfig, dict]:
   """Reads `config.json` + safetensors from `path` into (ModelConfig, params).
@@ -323,14 +343,8 @@ def load_pretrained(path: str, *, param_dtype: str | None = None, to_device: boo
   from glm5_jax import nn as gnn  # pylint: disable=g-import-not-at-top
   if param_dtype is not None:
     config_overrides["param_dtype"] = param_dtype
-  hf_cfg, cfg = _read_config(path, config_overrides)
-  infos = _tensor_infos(path)
+  hf_cfg, cfg, infos = _config_and_tensors(path, config_overrides)
   mtp_prefix = f"model.layers.{cfg.num_hidden_layers}."
-  if cfg.num_nextn_predict_layers and not any(k.startswith(mtp_prefix) for k in infos):
-    logging.warning("%s: config has num_nextn_predict_layers=1 but no %s* tensors (a "
-                    "transformers-saved checkpoint drops them); loading without MTP.",
-                    path, mtp_prefix)
-    cfg = cfg.replace(num_nextn_predict_layers=0, mtp_num_steps=0)
   mtp = bool(cfg.num_nextn_predict_layers)
   fused = frozenset(k[:-len(".mlp.experts.down_proj")] for k in infos
                     if k.endswith(".mlp.experts.down_proj"))

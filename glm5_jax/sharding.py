@@ -116,6 +116,22 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
+def or_one_device(mesh: Mesh, sharding):
+  """`sharding`, or the mesh's device itself when the mesh has one device: a program over one
+  device then compiles as a plain single-device program (no SPMD partitioning), exactly as
+  an unsharded jit or an engine on that device does."""
+  if mesh.size == 1:
+    return jax.sharding.SingleDeviceSharding(mesh.devices.flat[0])
+  return sharding
+
+
+def from_host(x, sharding):
+  """A global array in `sharding` from a host array that every process holds whole: each
+  process places only the slices its own devices hold (works on one or many processes)."""
+  x = np.asarray(x)
+  return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
 def batch_axis_size(mesh: Mesh) -> int:
   return math.prod(mesh.shape[a] for a in BATCH_AXES)
 

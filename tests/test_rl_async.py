@@ -7,7 +7,6 @@ rollout log-prob equals the trainer's under the version that sampled it, top-k s
 versions advance, and with faults injected a killed worker is found, restarted and re-synced.
 """
 
-import json
 import os
 import re
 import signal
@@ -89,8 +88,7 @@ def test_local_loop_with_faults(init_dir, tmp_path):
   crashed = [e for e in events if e["event"] == "finished" and e.get("status") == "env_error"]
   assert crashed, "env_crash_rate=0.3 crashed nothing"
   assert copies and all(e["id"] != e["copy_of"] for e in copies)
-  with open(os.path.join(workdir, "rl_control", f"{c.total_steps}.json")) as f:
-    ctl = json.load(f)
+  ctl = async_loop.read_control(workdir, c.total_steps)
   assert ctl["update"] == c.total_steps and ctl["consumed"] == c.total_steps * 2
 
 
@@ -122,8 +120,8 @@ def test_sigterm_checkpoints_stops_and_the_rerun_finishes(init_dir, tmp_path):
   assert stopped.value.code == 0 and 1 <= stopped.value.step < c.total_steps
   events = ledger_lib.read(os.path.join(workdir, "rollouts.jsonl"))
   assert any(e.get("reason") == "shutdown" for e in events)
-  with open(os.path.join(workdir, "rl_control", f"{stopped.value.step}.json")) as f:
-    assert json.load(f)["requeue"], "the stopped run's in-flight prompts were not saved"
+  assert async_loop.read_control(workdir, stopped.value.step)["requeue"], (
+      "the stopped run's in-flight prompts were not saved")
   async_loop.run(c, workdir)
   rows = _check_run(workdir, c)
   assert rows[-1]["version"] == c.total_steps
@@ -178,3 +176,48 @@ def test_bad_config_names_the_field(field, value, message):
     c.rl[field] = value
   with pytest.raises(ValueError, match=re.escape(message)):
     async_loop.validate(c)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")   # Ray's exec'd subprocesses
+def test_ray_pushes_of_a_1gib_model_stay_within_each_processs_share(tmp_path):
+  """Trainer (this process) and a Ray rollout worker (its own process) exchange sharded
+  snapshots (rl/snapshots.py) of a 1.3 GiB model: each process's peak RSS growth over a push
+  is at most its share of the tree (here each holds a whole replica) plus the largest leaf
+  plus 10%, the worker reads exactly its share, and the ledger audits clean."""
+  pytest.importorskip("ray")
+  import ray  # pylint: disable=g-import-not-at-top
+  cfg = config_lib.get_preset("tiny", n_routed_experts=16, moe_intermediate_size=32768)
+  shapes, _ = gnn.abstract_params(cfg)
+  sizes = [x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)]
+  tree, largest = sum(sizes), max(sizes)
+  assert tree >= 2**30, tree
+  init = str(tmp_path / "init")
+  ckpt_lib.save_params(init, cfg, gnn.init_params(cfg, jax.random.PRNGKey(0)))
+  ray.init(num_cpus=2, include_dashboard=False)
+  try:
+    c = small_config(init, backend="ray", snapshots="sharded", workers=1, group_size=2,
+                     groups_per_update=1, tau=0, episodes_per_worker=2, engine_batch=2,
+                     max_groups_in_flight=1, max_new_tokens=6, max_len=48, max_turns=1,
+                     heartbeat_timeout_s=120.0)
+    c.total_steps = 2
+    workdir = str(tmp_path / "run")
+    async_loop.run(c, workdir)
+  finally:
+    ray.shutdown()
+  assert not ledger_lib.audit(os.path.join(workdir, "rollouts.jsonl"))
+  rows = [r for r in metrics_lib.read_rows(workdir) if "loss" in r]
+  bound = 1.1 * (tree + largest)
+  pulls = [r for r in rows if r["pull_rss_growth_bytes_max"] > 0]
+  assert pulls, rows                                   # a push after the first was read
+  for r in rows:
+    print(f"update {r['step']}: push {r['push_bytes'] / 2**20:.0f} MiB in {r['push_s']:.2f} s, "
+          f"trainer RSS growth {r['push_rss_growth_bytes'] / 2**20:.0f} MiB; worker read "
+          f"{r['pull_bytes_max'] / 2**20:.0f} MiB in {r['pull_s_max']:.2f} s, RSS growth "
+          f"{r['pull_rss_growth_bytes_max'] / 2**20:.0f} MiB; bound {bound / 2**20:.0f} MiB")
+    assert r["push_bytes"] == tree and r["push_rss_growth_bytes"] <= bound, r
+    assert r["logp_abs_diff_max"] <= 1e-6 and r["topk_mismatches"] == 0, r
+  for r in pulls:
+    assert r["pull_bytes_max"] == tree, r
+    # The new version is read while the engine still serves the old one: a tree of growth.
+    assert tree / 2 <= r["pull_rss_growth_bytes_max"] <= bound, r

@@ -17,7 +17,7 @@ import pytest
 from glm5_jax.rl import groups
 from glm5_jax.rl import heartbeat
 from glm5_jax.rl import ledger as ledger_lib
-from glm5_jax.rl import losses as rl_losses
+from glm5_jax import policy_losses as rl_losses
 from glm5_jax.rl import routing
 from glm5_jax.rl import staleness
 from glm5_jax.rl.trajectory import STATUSES

@@ -1,4 +1,4 @@
-"""RL losses (glm5_jax/rl/losses.py) against float64 numpy loops: values, metrics, gradients,
+"""RL losses (glm5_jax/policy_losses.py) against float64 numpy loops: values, metrics, gradients,
 bands, sign asymmetry, clamping, 1 vs 8 devices, group advantages.
 
 Gradients are taken by jax in float64 (inside `jax.enable_x64`) and compared with central
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from glm5_jax.rl import losses as rl
+from glm5_jax import policy_losses as rl
 from tests import fake_devices
 
 EPS_LOW, EPS_HIGH, BETA, CAP = 0.2, 0.28, 2.0, 2.0
@@ -337,7 +337,7 @@ _SHARDED_SCRIPT = textwrap.dedent("""
   import zlib
   import jax, jax.numpy as jnp, numpy as np
   from jax.sharding import NamedSharding, PartitionSpec as P
-  from glm5_jax.rl import losses as rl
+  from glm5_jax import policy_losses as rl
   assert jax.device_count() == 8
   rng = np.random.default_rng(zlib.crc32(b"test_losses_are_the_same_on_1_and_8_devices"))
   b, t = 16, 6

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from glm5_jax.rl import policy
+from glm5_jax import policy
 from glm5_jax.rl.trajectory import Trajectory
 from glm5_jax.rl.trajectory import make_batch
 

@@ -33,7 +33,10 @@ Weights (`update_params(params, version)`): between steps, no recompilation. Eve
 row becomes invalid: running requests and sessions are prefilled again under the new
 weights before they continue, prefix entries are keyed by version, and every generated
 token records the version that produced it (`GenerationOutput.versions`), so each token's
-log-prob is exactly that of a full forward under its recorded version.
+log-prob is exactly that of a full forward under its recorded version. Parameters already
+in the engine's shardings are served as they are (a colocated trainer's own arrays: no copy);
+others are copied device to device leaf by leaf, each copied leaf of the previous version
+freed once its successor is in place (`engine.params` of an older version is then invalid).
 
 Batch invariance (`batch_invariant=True`, the default): a request's log-probs and top-k do
 not depend on which other requests share its device calls, so they equal the trainer's full
@@ -244,6 +247,27 @@ def _step_fns(cfg, bs: int, speculative: bool, steps_per_sync: int, num_draft: i
           jax.jit(spec_rounds, donate_argnums=(1, 2)), jax.jit(set_h, donate_argnums=(0,)))
 
 
+def serving_shardings(cfg, mesh, rules=None):
+  """The engine's parameter shardings on `mesh` (the model's logical-axis `rules`, default
+  sharding.DEFAULT_RULES); a mesh of None: the first device."""
+  shapes, specs = gnn.abstract_params(cfg)
+  if mesh is None:
+    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.tree.map(lambda _: dev, shapes)
+  param_sh = shd.param_shardings(specs, mesh, shd.rules_from_config(rules))
+  shd.check_divisible(shapes, param_sh, mesh)
+  return param_sh
+
+
+def serving_template(cfg, mesh, rules=None):
+  """Shapes, dtypes and serving shardings of the engine's parameters, as
+  `jax.ShapeDtypeStruct`s: a weight store's `latest(template)` reads each process's slices
+  straight into them (rl/snapshots.py)."""
+  shapes, _ = gnn.abstract_params(cfg)
+  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                      shapes, serving_shardings(cfg, mesh, rules))
+
+
 class Engine:
   """KV-cached GLM-5 inference with continuous batching (see module docstring)."""
 
@@ -324,6 +348,7 @@ class Engine:
     self._pools = [paging.BlockPool(per_shard, block_size, lookahead=1 if speculative else 0,
                                     first=i * per_shard) for i in range(self._n_shards)]
     self._placement = self._shardings(params, rules)
+    self._owned = None                 # per leaf: a copy the engine made (freed on a swap)
     self.params = self._place(params)
     self._n_stop = 4
     cache = layer_stack.init_cache(cfg, num_blocks * block_size, with_mtp=speculative)
@@ -350,17 +375,34 @@ class Engine:
       dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
       return {"params": jax.tree.map(lambda _: dev, params), "rows": dev,
               "cache": lambda c: jax.tree.map(lambda _: dev, c)}
-    shapes, specs = gnn.abstract_params(self.cfg)
-    param_sh = shd.param_shardings(specs, self.mesh, shd.rules_from_config(rules))
-    shd.check_divisible(shapes, param_sh, self.mesh)
+    param_sh = serving_shardings(self.cfg, self.mesh, rules)
     axes = tuple(a for a in shd.BATCH_AXES if self.mesh.shape.get(a, 1) > 1) or None
     rows = NamedSharding(self.mesh, P(axes))
     pool = lambda x: NamedSharding(self.mesh, P(*([None] * (x.ndim - 2)), axes, None))
     return {"params": param_sh, "rows": rows, "cache": lambda c: jax.tree.map(pool, c)}
 
   def _place(self, params):
-    """Commits the parameters to the engine's placement."""
-    return jax.device_put(params, self._placement["params"])
+    """Commits the parameters to the engine's placement, leaf by leaf.
+
+    A leaf already in its sharding is served as it is (a trainer's own arrays: colocated, no
+    copy); any other is copied device to device into the engine's sharding (a replica on
+    other devices). Swapping weights frees each copied leaf the engine made once its new
+    value is in place, so a swap needs at most one leaf of memory beyond the parameters.
+    """
+    new, owned = [], []
+    old = jax.tree_util.tree_leaves(self.params) if self._owned is not None else None
+    flat_sh = jax.tree_util.tree_leaves(self._placement["params"],
+                                        is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    for i, (x, sh) in enumerate(zip(jax.tree_util.tree_leaves(params), flat_sh)):
+      y = jax.device_put(x, sh)
+      if self._owned is not None and self._owned[i] and old[i] is not y:
+        old[i].delete()                             # a copy of the previous version
+      new.append(y)
+      # Already in place, device_put aliases x's buffers (a new Array object sharing them):
+      # only a leaf whose sharding changed is a copy of the engine's own.
+      owned.append(not (isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sh, x.ndim)))
+    self._owned = owned
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), new)
 
   def _mesh_scope(self):
     return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()

@@ -1,7 +1,11 @@
 """Fully asynchronous agentic RL (GLM-5 paper §3): rollout workers stream, the trainer updates.
 
-`run(config, workdir)`. Rollout workers (`rollout_worker.RolloutWorker`, on their own devices)
-run multi-turn tool-use episodes continuously; the trainer (this process, its own device)
+`run(config, workdir)` = `train.loop.run(config, workdir, AsyncTrainer(config, workdir))`:
+the runner owns the mesh, the state, the update (stage row "rl_async": direct double-sided IS),
+checkpoints, metrics and preemption (glm5_jax/train/loop.py); `AsyncTrainer` is its batch
+source, driven through its public methods only. Rollout workers (`rollout_worker.
+RolloutWorker`, on their own devices) run multi-turn tool-use episodes continuously; the
+trainer
 
   1. admits prompts as groups of G episodes while admission control allows (AReaL's rule,
      `staleness.admission_capacity`), routing each group to a worker by consistent hashing
@@ -12,34 +16,41 @@ run multi-turn tool-use episodes continuously; the trainer (this process, its ow
      (`groups.refill`);
   3. once `groups_per_update` groups are ready, drops those whose tokens span more than tau
      versions (`staleness.stale`; the prompt is re-queued untouched) or claim a version
-     newer than the trainer's (after a restart), and takes one optimizer step on
-     `losses.double_sided_is_loss` against the rollout log-probs, the tokens exactly as the
-     engine produced them (TITO; no recomputed old policy, the indexer frozen);
-  4. every `updates_per_publish` (K) updates publishes the weights as a new version
-     (`weights.publish`) and resets the optimizer state (GLM-5 §3).
+     newer than the trainer's (after a restart), and hands the runner one batch for one
+     optimizer step on `double_sided_is_loss` against the rollout log-probs, the tokens
+     exactly as the engine produced them (TITO; no recomputed old policy, the indexer
+     frozen);
+  4. every `updates_per_publish` (K) updates publishes the weights as a new version and
+     resets the optimizer state (GLM-5 §3).
 Workers heartbeat; a silent one is fenced (its late results refused), restarted at a new
 epoch, brought to the current version, and its in-flight groups re-queued. Every prompt and
 trajectory id goes through the ledger (`WORKDIR/rollouts.jsonl`, `ledger.audit`).
 
-Train/rollout consistency is measured per version: the trainer keeps the last tau + 1
-published versions and recomputes each token's log-prob (and the DSA top-k) under the
-version that sampled it: `logp_abs_diff_max` and `topk_mismatches` in every metrics row.
+Placement (glm5_jax/rl/weights.py). The trainer trains on the first `config.num_devices`
+devices under `config.mesh` (sharded like pretraining). Backend "local": each rollout replica
+is a thread of this process on its own `rl.rollout_devices` devices after the trainer's (round
+robin when there are too few), serving under `rl.rollout_mesh` in the model's shardings; a
+push hands the replicas the published version on the trainer's devices (`DeviceWeights`) and
+each replica reshards it into its own buffers device to device, leaf by leaf. Backend "ray":
+replicas are Ray actors (their own processes and JAX runtimes) reading versioned,
+checksummed snapshots from WORKDIR/weights.
 
-Backends (`config.rl.backend`): "local" runs the workers as threads of this process on the
-devices after the trainer's; "ray" runs them as Ray actors (their own processes and JAX
-runtimes) reading versioned, checksummed weight snapshots from WORKDIR/weights.
+Train/rollout consistency is measured per version: the trainer keeps the last
+`rl.gap_versions` published versions (default tau + 1, sharded like its params) and
+recomputes each token's log-prob (and the DSA top-k) under the version that sampled it:
+`logp_abs_diff_max` and `topk_mismatches` in every metrics row (tokens of versions no longer
+kept: `logp_unmeasured_tokens`).
 
-Checkpoints hold params, optimizer state, and the control state (update and version
-counters, consumed groups, the prompt cursor, the prompts in flight, which a resumed run
-admits first). The run is asynchronous, so a resumed run is not bitwise the uninterrupted one.
+Checkpoints hold the TrainState and the control state (update and version counters, consumed
+groups, the prompt cursor, the prompts in flight, which a resumed run admits first) as item
+"control" of the same orbax step. The run is asynchronous, so a resumed run is not bitwise
+the uninterrupted one.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
-import json
 import os
 import queue
 import time
@@ -48,10 +59,11 @@ from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import orbax.checkpoint as ocp
 
-from glm5_jax import numerics
+from glm5_jax import memory
+from glm5_jax import policy
+from glm5_jax import sharding as shd
 from glm5_jax import timing
 from glm5_jax.data import chat
 from glm5_jax.rl import agent as agent_lib
@@ -60,75 +72,40 @@ from glm5_jax.rl import grpo
 from glm5_jax.rl import groups as groups_lib
 from glm5_jax.rl import heartbeat
 from glm5_jax.rl import ledger as ledger_lib
-from glm5_jax.rl import losses as rl_losses
-from glm5_jax.rl import policy
 from glm5_jax.rl import rollout_worker as worker_lib
 from glm5_jax.rl import routing
+from glm5_jax.rl import snapshots as snapshots_lib
 from glm5_jax.rl import staleness
+from glm5_jax.rl import tasks as tasks_lib
 from glm5_jax.rl import trajectory as traj_lib
 from glm5_jax.rl import weights as weights_lib
 from glm5_jax.train import checkpoint as ckpt_lib
-from glm5_jax.train import metrics as metrics_lib
-from glm5_jax.train import preemption
-from glm5_jax.train import step as step_lib
+from glm5_jax.train import loop
 
 BACKENDS = ("local", "ray")
 
 
 def validate(c) -> None:
-  r = c.rl
-  if c.stage != "rl":
-    raise ValueError(f"config.stage={c.stage!r}: RL runs stage 'rl' (the indexer frozen)")
-  if r.backend not in BACKENDS:
-    raise ValueError(f"config.rl.backend={r.backend!r}: expected one of {BACKENDS}")
-  for f in ("group_size", "groups_per_update", "updates_per_publish", "workers",
-            "engine_batch", "episodes_per_worker", "max_new_tokens", "max_len", "max_turns",
-            "prefill_chunk", "steps_per_sync", "tool_threads", "logprob_chunk", "eval_every",
-            "checkpoint_every", "eval_problems", "max_groups_in_flight"):
-    if r[f] < 1:
-      raise ValueError(f"config.rl.{f}={r[f]}: expected >= 1")
-  longest = traj_lib.bucket_length(r.max_len)
-  if any(not isinstance(t, int) or t < 1 or t > longest for t in r.warmup_lengths):
-    raise ValueError(f"config.rl.warmup_lengths={tuple(r.warmup_lengths)}: expected ints in "
-                     f"[1, {longest}] (padded lengths up to config.rl.max_len's bucket)")
-  if r.tau < 0:
-    raise ValueError(f"config.rl.tau={r.tau}: expected >= 0 (0 = every token of a consumed "
-                     "group from the current version)")
-  if r.group_size < 2:
-    raise ValueError(f"config.rl.group_size={r.group_size}: expected >= 2 (group-relative "
-                     "advantages)")
-  if r.episodes_per_worker < r.group_size:
-    raise ValueError(f"config.rl.episodes_per_worker={r.episodes_per_worker}: expected >= "
-                     f"config.rl.group_size={r.group_size} (a worker runs whole groups)")
-  if r.temperature != 1.0:
-    raise ValueError(f"config.rl.temperature={r.temperature}: expected 1.0; the IS ratios "
-                     "compare raw-policy log-probs, the sampling distribution's only at 1")
-  for name in ("eps_low", "eps_high"):
-    try:
-      rl_losses.check_hparams(**{name: r[name]})
-    except ValueError as e:
-      raise ValueError(f"config.rl.{name}: {e}") from None
-  for name in ("env_crash_rate", "slow_env_tail"):
-    if not 0.0 <= r.faults[name] <= 1.0:
-      raise ValueError(f"config.rl.faults.{name}={r.faults[name]}: expected a probability")
+  """The config's field table (train/checks.py, stage 'rl_async') and the objects it names
+  (the task, the context policy); errors name the field."""
+  if c.stage != "rl_async":
+    raise ValueError(f"config.stage={c.stage!r}: asynchronous RL runs stage 'rl_async' (the "
+                     "indexer frozen, loss double_sided_is)")
+  loop.validate_config(c)
   try:
-    context_lib.ContextPolicy(**r.context)
+    context_lib.ContextPolicy(**c.rl.context)
   except (TypeError, ValueError) as e:
-    raise ValueError(f"config.rl.context={dict(r.context)}: {e}") from None
-  worker_lib.task_of(r.to_dict())
-  ckpt_lib.check_run_fields(c, ("log_every", "total_steps"))
-  if not c.init_from:
-    raise ValueError("config.init_from: agentic RL starts from a trained model (an SFT "
-                     "workdir of the tool task, a pretraining workdir or an HF directory)")
+    raise ValueError(f"config.rl.context={dict(c.rl.context)}: {e}") from None
+  tasks_lib.from_config(c.rl)
 
 
-def split_devices(n_workers: int):
-  """(trainer device, each worker's device index): the trainer on device 0, workers round
-  robin over the others (all on device 0 when there is only one)."""
+def rollout_devices(n_trainer: int, n_workers: int, per_worker: int) -> list[list[int]]:
+  """Each worker's device indices: `per_worker` devices each from those after the trainer's
+  first `n_trainer` (round robin over them; all devices when none is left)."""
   n = jax.device_count()
-  if n == 1:
-    return jax.devices()[0], [0] * n_workers
-  return jax.devices()[0], [1 + i % (n - 1) for i in range(n_workers)]
+  pool = list(range(n_trainer, n)) or list(range(n))
+  return [[pool[(w * per_worker + j) % len(pool)] for j in range(per_worker)]
+          for w in range(n_workers)]
 
 
 class Prompts:
@@ -146,34 +123,6 @@ class Prompts:
     return self._cache[c][index % self.chunk]
 
 
-def make_train_fns(cfg, tx, r):
-  """Jitted (logprobs, update) of the trainer:
-    logprobs(params, batch) -> (logp [b, t], entropy [b, t], top-k [L] of [b, t, K])
-    update(params, opt_state, batch) -> (params, opt_state, metrics): one optimizer step on
-      double_sided_is_loss against batch["rollout_logp"]."""
-  fwd = functools.partial(policy.policy_forward, cfg=cfg, chunk_size=r.logprob_chunk)
-
-  @jax.jit
-  def logprobs(params, b):
-    return fwd(params, b["tokens"], b["positions"], b["segment_ids"], return_topk=True)
-
-  @jax.jit
-  def update(params, opt_state, b):
-    def loss_fn(p):
-      logp, ent, _ = fwd(p, b["tokens"], b["positions"], b["segment_ids"])
-      loss, m = rl_losses.double_sided_is_loss(logp, b["rollout_logp"], b["advantages"],
-                                               b["loss_mask"], eps_low=r.eps_low,
-                                               eps_high=r.eps_high)
-      return loss, {**m, "entropy": rl_losses.token_mean(ent, b["loss_mask"])}
-    (loss, m), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    return params, opt_state, {**m, "loss": loss, "grad_norm": optax.global_norm(grads),
-                               "update_norm": optax.global_norm(updates)}
-
-  return logprobs, update
-
-
 @dataclasses.dataclass
 class Group:
   """A finished group on the trainer's side: its rollouts (each a list of segments)."""
@@ -183,29 +132,33 @@ class Group:
   worker: int
 
 
-def batch_of(groups, normalize_std: bool, rows_multiple: int = 1):
+def batch_of(groups, normalize_std: bool, rows_multiple: int = 1, context: int = 1):
   """(TrajectoryBatch, segment list) of the segments of `groups`, each carrying its rollout's
-  group-relative advantage. Rows are padded to a power of two (at least `rows_multiple`) by
-  copies of row 0 without loss, so few distinct shapes compile."""
+  group-relative advantage. Rows are padded to a power of two (rounded up to a multiple of
+  `rows_multiple`, the mesh's batch axes) by copies of row 0 without loss, so few distinct
+  shapes compile; the length to its bucket, a multiple of 2 * `context`."""
   segs, advs = [], []
   for g in groups:
     for rollout, a in zip(g.rollouts, groups_lib.advantages(g.rollouts, normalize_std)):
       for seg in rollout:
         segs.append(seg)
         advs.append(a)
-  n = max(rows_multiple, traj_lib.bucket_length(len(segs), minimum=1))
+  n = -(-traj_lib.bucket_length(len(segs), minimum=1) // rows_multiple) * rows_multiple
   pad = n - len(segs)
-  batch = traj_lib.make_batch(segs + [segs[0]] * pad, advs + [0.0] * pad)
+  length = grpo.padded_length(max(s.length for s in segs), context)
+  batch = traj_lib.make_batch(segs + [segs[0]] * pad, advs + [0.0] * pad, length=length)
   if pad:
     batch.loss_mask[len(segs):] = 0.0
     batch.versions[len(segs):] = -1
   return batch, segs
 
 
-def consistency(logprobs, snapshots: dict, batch, segs) -> dict:
+def consistency(logprobs, snapshots: dict, batch, segs, dev=None) -> dict:
   """Train/rollout agreement, each token under the version that sampled it: log-prob |diff|
-  (max, mean) and top-k mismatches (positions whose engine top-k set differs in some layer)."""
-  dev = {k: jnp.asarray(getattr(batch, k)) for k in ("tokens", "positions", "segment_ids")}
+  (max, mean) and top-k mismatches (positions whose engine top-k set differs in some layer).
+  dev: `batch` on the trainer's devices (default: placed here on the default device)."""
+  if dev is None:
+    dev = {k: jnp.asarray(getattr(batch, k)) for k in ("tokens", "positions", "segment_ids")}
   mask = batch.loss_mask > 0
   diffs, bad, total, unmeasured = [], 0, 0, 0
   for v in sorted(set(batch.versions[mask].tolist())):
@@ -252,54 +205,53 @@ class Control:
     self.rng.bit_generator.state = d["rng"]
 
 
-def _control_path(workdir, update):
-  return os.path.join(workdir, "rl_control", f"{update}.json")
 
-
-def _write_json(path, obj):
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  with open(path + ".tmp", "w") as f:
-    json.dump(obj, f)
-  os.replace(path + ".tmp", path)
+# config.rl.snapshots -> the store Ray actors read versions from (files in the workdir).
+SNAPSHOT_STORES = {"sharded": snapshots_lib.ShardedWeights, "file": weights_lib.FileWeights}
 
 
 def make_backend(c, workdir):
-  """(backend, weights store) for config.rl.backend."""
+  """(backend, weights store) for config.rl.backend: threads of this process pulling device
+  arrays (`DeviceWeights`), or Ray actors reading snapshots (config.rl.snapshots)."""
   if c.rl.backend == "local":
     from glm5_jax.rl import local_backend  # pylint: disable=g-import-not-at-top
-    store = weights_lib.InProcessWeights(keep=1)
+    store = weights_lib.DeviceWeights()
     return local_backend.LocalBackend(worker_lib.RolloutWorker, store), store
   from glm5_jax.rl import ray_backend  # pylint: disable=g-import-not-at-top
-  store = weights_lib.FileWeights(os.path.join(workdir, "weights"), keep=c.rl.tau + 2)
-  return ray_backend.RayBackend(worker_lib.RolloutWorker, store,
+  store = SNAPSHOT_STORES[c.rl.snapshots](os.path.join(workdir, "weights"), keep=c.rl.tau + 2)
+  env = None
+  if c.rl.rollout_devices > 1:            # the actor's own fake CPU devices
+    env = {"XLA_FLAGS": ray_backend.worker_env()["XLA_FLAGS"] +
+           f" --xla_force_host_platform_device_count={c.rl.rollout_devices}"}
+  return ray_backend.RayBackend(worker_lib.RolloutWorker, store, env_vars=env,
                                 num_cpus=c.rl.ray_cpus_per_worker), store
 
 
-class Trainer:
-  """The asynchronous loop's trainer side (module docstring). One per `run`."""
+class AsyncTrainer:
+  """The asynchronous loop's trainer side (module docstring): the runner's batch source
+  (`train.loop.Source`). One per `run`."""
+
+  name = "rl_async"
+  eval_prefix, eval_key, eval_at_start = "heldout_", "success_rate", True
+  blocking = True
+  items = {"control": ocp.JsonCheckpointHandler()}
+  tokens_per_step = seq_len = None
+  log_fields = (("v", "version", ".0f"), ("reward", "reward_mean", ".3f"),
+                ("success", "success_rate", ".3f"), ("|dlogp| max", "logp_abs_diff_max", ".2e"),
+                ("topk mism", "topk_mismatches", ".0f"), ("masked", "is_masked_frac", ".3f"),
+                ("staleness", "staleness_mean", ".2f"),
+                ("idle trainer", "trainer_idle_ratio", ".2f"), ("wall s", "wall_s", ".1f"))
 
   def __init__(self, c, workdir: str, *, clock=time.monotonic):
     self.c, self.r, self.workdir, self.clock = c, c.rl, workdir, clock
     r = c.rl
-    cfg, params = grpo.load_policy(c.init_from, "config.init_from")
-    self.cfg = cfg.replace(attention_type="sparse")
-    ckpt_lib.check_model_config(workdir, self.cfg)
+    self.checkpoint_every, self.eval_every = r.checkpoint_every, r.eval_every
     self.rd = r.to_dict()
-    self.task = worker_lib.task_of(self.rd)
+    self.task = tasks_lib.from_config(r)
     self.tok = chat.get_chat_tokenizer(c.data.tokenizer)
-    if self.tok.vocab_size > self.cfg.vocab_size:
-      raise ValueError(f"config.data.tokenizer={c.data.tokenizer!r} has "
-                       f"{self.tok.vocab_size} ids > the model's vocab_size="
-                       f"{self.cfg.vocab_size}")
-    self.device, self.worker_devices = split_devices(r.workers)
-    self.tx = step_lib.make_optimizer(c)
-    self.params = jax.device_put(params, self.device)
-    self._opt_init = jax.jit(self.tx.init)
-    self.opt_state = self._opt_init(self.params)
-    self.logprobs, self.update_fn = make_train_fns(self.cfg, self.tx, r)
     self.prompts = Prompts(self.task, c.seed)
     self.ctl = Control(c.seed)
-    self.snapshots: dict = {}                 # version -> params (the last tau + 1)
+    self.snapshots: dict = {}                 # version -> params (the last gap_versions)
     self.in_flight: dict = {}                 # group id -> (prompt index, worker)
     self.ready: list[Group] = []
     self.monitor = heartbeat.Monitor(r.heartbeat_timeout_s, clock=clock)
@@ -307,24 +259,249 @@ class Trainer:
     self.worker_stats: dict = {}
     self.counts = collections.Counter()
     self.spans = collections.Counter()
-    self.ledger = None
-    self.backend = self.store = None
+    self.ledger = self.backend = self.store = self._eval_engine = None
     self.epochs = [0] * r.workers
     self.kill_at = None                       # faults.kill_worker_after_s, on the clock
+    self.launched, self.wait_s, self.t_loop = False, 0.0, None
+    self.gap_versions = r.gap_versions or r.tau + 1
+    self.push_rss_growth = 0.0                # this process's peak RSS growth, last push
+
+  # ------------------------------------------------------------------ the runner's calls
+  def model_config(self):
+    cfg = ckpt_lib.model_config_of(self.c.init_from, "config.init_from")
+    return cfg.replace(attention_type="sparse")
+
+  def setup(self, cfg, mesh, param_sh) -> None:
+    """Checks the config against the model and the meshes; the trainer's jitted forward."""
+    c, r = self.c, self.r
+    if self.tok.vocab_size > cfg.vocab_size:
+      raise ValueError(f"config.data.tokenizer={c.data.tokenizer!r} has "
+                       f"{self.tok.vocab_size} ids > the model's vocab_size={cfg.vocab_size}")
+    self.cfg, self.mesh, self.param_sh = cfg, mesh, param_sh
+    self.sharded = mesh.size > 1
+    self.batch_sh = shd.batch_sharding(mesh) if self.sharded else None
+    self.rows_multiple = shd.batch_axis_size(mesh)
+    self.context = mesh.shape["context"]
+    self.worker_devices = rollout_devices(mesh.size if c.num_devices else 0, r.workers,
+                                          r.rollout_devices)
+    if r.backend == "local" and r.rollout_devices > jax.device_count():
+      raise ValueError(f"config.rl.rollout_devices={r.rollout_devices}: this process has "
+                       f"{jax.device_count()} devices")
+    try:
+      shape = dict(zip(shd.MESH_AXES, shd.mesh_shape(dict(r.rollout_mesh), r.rollout_devices)))
+    except ValueError as e:
+      raise ValueError(f"config.rl.rollout_mesh over config.rl.rollout_devices="
+                       f"{r.rollout_devices}: {e}") from None
+    n_bat = int(np.prod([shape[a] for a in shd.BATCH_AXES]))
+    if r.engine_batch % n_bat:
+      raise ValueError(f"config.rl.engine_batch={r.engine_batch}: expected a multiple of the "
+                       f"rollout mesh's batch axes ({n_bat}: config.rl.rollout_mesh="
+                       f"{dict(r.rollout_mesh)} over {r.rollout_devices} devices)")
+    if self.sharded and r.engine_batch % self.rows_multiple:
+      raise ValueError(f"config.rl.engine_batch={r.engine_batch}: the evaluation engine runs "
+                       f"on the trainer's mesh; expected a multiple of its batch axes "
+                       f"({self.rows_multiple})")
+    self.heldout = tasks_lib.heldout_problems(self.task, r, c.seed)
+    self.forward = policy.jitted_forward(cfg, chunk_size=r.logprob_chunk, mesh=mesh,
+                                         param_sh=param_sh, batch_sh=self.batch_sh)
+    grpo.warn_without_batch_invariance()
+
+  def save_items(self) -> dict:
+    in_flight = [i for i, _ in self.in_flight.values()] + [g.prompt_index for g in self.ready]
+    return {"control": ocp.args.JsonSave(self.ctl.to_json(in_flight))}
+
+  def restore_items(self) -> dict:
+    return {"control": ocp.args.JsonRestore()}
+
+  def load(self, restored: dict) -> None:
+    self.ctl.load(restored["control"])
+
+  def start(self, state, resumed: bool) -> None:
+    """Opens the ledger (on resume: what a killed run left open is ledgered dropped)."""
+    timing.compile_seconds()        # count compilations from here (metrics "compile_s")
+    self.ledger = self._open_ledger(resumed)
+
+  def prepare(self, state) -> list:
+    """Publishes the current version, starts the workers and admits the first groups; then,
+    while they compile and sample, compiles the trainer's forward for `rl.warmup_lengths`
+    and returns one batch per length for the runner to compile its update on."""
+    r = self.r
+    self.backend, self.store = make_backend(self.c, self.workdir)
+    self._publish(state.params)
+    self.backend.start([self._spec(wid) for wid in range(r.workers)])
+    for wid in range(r.workers):
+      self.monitor.register(wid)
+    self._pump(0.0)
+    rows = self._rows(r.groups_per_update * r.group_size)
+    out = []
+    for t in r.warmup_lengths:
+      t = grpo.padded_length(t, self.context)
+      dummy = traj_lib.Trajectory([0] * t, [0.0] * t, [0.0] * t, [-1] * t)
+      dev = grpo.device_batch(traj_lib.make_batch([dummy] * rows, np.zeros(rows), length=t),
+                              self.batch_sh)
+      jax.block_until_ready(self.forward(state.params, dev))
+      out.append(dev)
+    if r.faults.kill_worker_after_s > 0:
+      self.kill_at = self.clock() + r.faults.kill_worker_after_s
+    self.launched, self.t_loop = True, time.perf_counter()
+    return out
+
+  def batches(self, state, step: int):
+    """Waits until groups_per_update groups pass the staleness rules; their batch (one
+    optimizer update) and its train/rollout consistency under each token's version."""
+    del state, step
+    t0 = time.perf_counter()
+    taken = None
+    while taken is None:
+      self._pump(0.02)
+      taken = self._take()
+      if taken is None and time.perf_counter() - t0 > self.r.max_wait_s:
+        raise RuntimeError(
+            f"[rl_async] no update for config.rl.max_wait_s={self.r.max_wait_s}s: "
+            f"{len(self.in_flight)} groups in flight, {len(self.ready)} ready, counts "
+            f"{dict(self.counts)}, worker errors {self.backend.errors()}")
+    self.wait_s += time.perf_counter() - t0
+    t1 = time.perf_counter()
+    batch, segs = batch_of(taken, self.r.normalize_std, self.rows_multiple, self.context)
+    dev = grpo.device_batch(batch, self.batch_sh)
+    m = consistency(self.forward, self.snapshots, batch, segs, dev)
+    self._taken, self._batch, self._segs = taken, batch, segs
+    m.update(consistency_s=time.perf_counter() - t1,
+             batch_tokens=float(batch.segment_ids.sum()),
+             batch_length=float(batch.tokens.shape[1]))
+    return [dev], m
+
+  def after(self, state, step: int, reset_optimizer):
+    """Ledgers the consumed groups; every K updates publishes a version and resets the
+    optimizer state (GLM-5 §3); the update's host metrics."""
+    r, taken = self.r, self._taken
+    rewards = np.asarray([ro[0].reward for g in taken for ro in g.rollouts])
+    spans = [staleness.span([s for ro in g.rollouts for s in ro], self.ctl.version)
+             for g in taken]
+    for s in spans:
+      self.spans[s] += 1
+    for g in taken:
+      for ro in g.rollouts:
+        for seg in ro:
+          self.ledger.write(seg.id, "trajectory", "consumed", group=g.group_id,
+                            update=self.ctl.update)
+      self.ledger.write(g.group_id, "group", "consumed", update=self.ctl.update)
+    self.ctl.consumed += len(taken)
+    self.ctl.update += 1
+    if self.ctl.update != step:
+      raise AssertionError(f"update counter {self.ctl.update} != the runner's step {step}")
+    if self.ctl.update % r.updates_per_publish == 0:
+      self.ctl.version += 1
+      self._publish(state.params)
+      state = reset_optimizer(state)                   # at every push (GLM-5 §3)
+    wall = time.perf_counter() - self.t_loop
+    busy = [sum(s.get("busy_s", 0.0) for (w, _), s in self.worker_stats.items() if w == wid)
+            for wid in range(r.workers)]
+    prefix = routing.PrefixStats()
+    for s in self.worker_stats.values():
+      prefix.record(s.get("cached_prompt_tokens", 0), s.get("prompt_tokens", 0))
+    compile_s, compiles = timing.compile_seconds()      # this process (local workers too)
+    m = dict(reward_mean=float(rewards.mean()), success_rate=float(np.mean(rewards >= 1.0)),
+             staleness_mean=float(np.mean(spans)), staleness_max=float(max(spans)),
+             segments=float(len(self._segs)), version=float(self.ctl.version),
+             in_flight=float(len(self.in_flight)), ready=float(len(self.ready)))
+    m.update({k: float(v) for k, v in self.counts.items()})
+    for k in ("pull_bytes", "pull_s", "pull_rss_growth_bytes"):   # the replicas' latest
+      m[f"{k}_max"] = float(max([s.get(k, 0.0) for s in self.worker_stats.values()] or [0.0]))
+    m.update({f"staleness_hist_{k}": float(v) for k, v in sorted(self.spans.items())})
+    m.update(trainer_idle_ratio=self.wait_s / max(wall, 1e-9), compile_s=compile_s,
+             compiles=float(compiles),
+             rollout_idle_ratio=1.0 - (float(np.mean(busy)) / max(wall, 1e-9) if busy else 0.0),
+             prefix_hit_rate=prefix.hit_rate, wall_s=wall, **self.store.last_push,
+             push_rss_growth_bytes=self.push_rss_growth)
+    return state, m
+
+  def evaluate(self, state, step: int) -> dict:
+    """Greedy multi-turn episodes on held-out problems under the current params, on an
+    engine colocated with the trainer (its mesh, its arrays)."""
+    t0 = time.perf_counter()
+    r = dict(self.rd, faults={"env_crash_rate": 0.0, "slow_env_tail": 0.0},
+             env=dict(self.rd["env"], latency_median_s=0.0))
+    if self._eval_engine is None:
+      devices = list(self.mesh.devices.flat)
+      axes = dict(self.mesh.shape) if self.sharded else {"data": 1}
+      self._eval_engine = worker_lib.build_engine(self.cfg, state.params, r, self.ctl.version,
+                                                  worker_lib.replica_mesh(devices, axes),
+                                                  rules=self.c.mesh_rules)
+    else:
+      self._eval_engine.update_params(state.params, self.ctl.version)
+    driver = agent_lib.Driver(self._eval_engine, self.tok, threads=r["tool_threads"],
+                              max_new_tokens=r["max_new_tokens"], temperature=0.0)
+    try:
+      ended = driver.run([worker_lib.make_episode(self.task, p, self.tok, r,
+                                                  rollout_id=f"eval/{i}", group_id="eval",
+                                                  prompt_index=i)
+                          for i, p in enumerate(self.heldout)])
+    finally:
+      driver.close()
+    rewards = np.asarray([ep.reward for ep in ended])
+    ev = {"success_rate": float(np.mean(rewards >= 1.0)),
+          "reward_mean": float(rewards.mean()), "problems": float(len(ended)),
+          "tool_use_rate": float(np.mean([ep.tool_turns > 0 for ep in ended])),
+          "eval_s": time.perf_counter() - t0}
+    logging.info("[rl_async] update %d held-out success %.4f", step, ev["success_rate"])
+    return ev
+
+  def close(self) -> None:
+    """Stops the workers; work in flight or not consumed is ledgered dropped ("shutdown");
+    the checkpoint's control state re-admits those prompts on resume."""
+    if self.backend is not None:        # a worker ends at its next loop check: after at most
+      self.backend.shutdown(timeout_s=600)  # one engine step, which may be compiling (a
+                                            # thread left in XLA at exit aborts the process)
+    if self.ledger is None:
+      return
+    for gid, (index, _) in self.in_flight.items():
+      self.ledger.write(gid, "group", "dropped", reason="shutdown", prompt_index=index)
+    for g in self.ready:
+      self._drop_group(g.group_id, g.prompt_index, "shutdown", requeue=False,
+                       rollouts=g.rollouts)
+    self.ledger.close()
+    self.ledger = None
 
   # ------------------------------------------------------------------ workers
+  def _rows(self, n: int) -> int:
+    return -(-traj_lib.bucket_length(n, minimum=1) // self.rows_multiple) * self.rows_multiple
+
   def _spec(self, wid: int) -> dict:
-    return {"worker_id": wid, "epoch": self.epochs[wid], "device": self.worker_devices[wid]
-            if self.r.backend == "local" else None,
+    local = self.r.backend == "local"
+    return {"worker_id": wid, "epoch": self.epochs[wid],
+            "devices": self.worker_devices[wid] if local else None,
+            "mesh": dict(self.r.rollout_mesh), "rules": self.c.mesh_rules,
             "model_config": ckpt_lib.model_fields(self.cfg), "rl": self.rd,
             "tokenizer": self.c.data.tokenizer, "seed": self.c.seed}
 
-  def _publish(self):
+  def _publish(self, params):
+    """Version ctl.version: a copy of `params` on the trainer's devices (the runner donates
+    its own buffers to the next update), kept for the consistency measurement and handed to
+    the store."""
     v = self.ctl.version
-    self.store.publish(self.params, v)
-    self.snapshots[v] = self.params
-    for old in [k for k in self.snapshots if k < v - self.r.tau]:
+    snap = jax.tree.map(jnp.copy, params)
+    self.snapshots[v] = snap
+    for old in [k for k in self.snapshots if k <= v - self.gap_versions]:
       del self.snapshots[old]
+    with memory.Peak() as peak:
+      self.store.publish(snap, v)
+    self.push_rss_growth = float(peak.growth)
+
+  def _open_ledger(self, resumed: bool):
+    """A new ledger, or on resume the old one with what a killed run left open ledgered as
+    dropped ("shutdown") and group ids continuing after every id it holds."""
+    path = os.path.join(self.workdir, "rollouts.jsonl")
+    if not resumed:
+      return ledger_lib.Ledger(path, clock=self.clock)
+    ledger = ledger_lib.Ledger.open(path, clock=self.clock)
+    for kind, ids in ledger_lib.pending(path).items():
+      for i in ids:
+        ledger.write(i, kind, "dropped", reason="shutdown")
+    gids = [int(e["id"][1:]) for e in ledger_lib.read(path)
+            if e.get("kind") == "group" and e.get("event") == "admitted"]
+    self.ctl.admitted = max([self.ctl.admitted] + [g + 1 for g in gids])
+    return ledger
 
   def _admit(self):
     cap = staleness.admission_capacity(
@@ -461,226 +638,16 @@ class Trainer:
     taken, self.ready = keep[:self.r.groups_per_update], keep[self.r.groups_per_update:]
     return taken
 
-  def warmup(self, lengths) -> None:
-    """Compiles the trainer's steps for batches of N x G rows padded to each of `lengths`
-    (results discarded), so that a long run does not stall on a new length later."""
-    rows = traj_lib.bucket_length(self.r.groups_per_update * self.r.group_size, minimum=1)
-    for t in lengths:
-      dummy = traj_lib.Trajectory([0] * t, [0.0] * t, [0.0] * t, [-1] * t)
-      batch = traj_lib.make_batch([dummy] * rows, np.zeros(rows), length=t)
-      dev = grpo.device_batch(batch)
-      jax.block_until_ready(self.logprobs(self.params, dev))
-      jax.block_until_ready(self.update_fn(self.params, self.opt_state, dev))
-
-  def _train(self, taken: list[Group]) -> dict:
-    t0 = time.perf_counter()
-    batch, segs = batch_of(taken, self.r.normalize_std)
-    m = consistency(self.logprobs, self.snapshots, batch, segs)
-    dev = grpo.device_batch(batch)
-    self.params, self.opt_state, mu = self.update_fn(self.params, self.opt_state, dev)
-    m.update({k: float(v) for k, v in jax.device_get(mu).items()})
-    rewards = np.asarray([ro[0].reward for g in taken for ro in g.rollouts])
-    spans = [staleness.span([s for ro in g.rollouts for s in ro], self.ctl.version)
-             for g in taken]
-    for s in spans:
-      self.spans[s] += 1
-    for g in taken:
-      for ro in g.rollouts:
-        for seg in ro:
-          self.ledger.write(seg.id, "trajectory", "consumed", group=g.group_id,
-                            update=self.ctl.update)
-      self.ledger.write(g.group_id, "group", "consumed", update=self.ctl.update)
-    self.ctl.consumed += len(taken)
-    self.ctl.update += 1
-    if self.ctl.update % self.r.updates_per_publish == 0:
-      self.ctl.version += 1
-      self._publish()
-      self.opt_state = self._opt_init(self.params)     # reset at every push (GLM-5 §3)
-    m.update(reward_mean=float(rewards.mean()), success_rate=float(np.mean(rewards >= 1.0)),
-             staleness_mean=float(np.mean(spans)), staleness_max=float(max(spans)),
-             segments=float(len(segs)), batch_length=float(batch.tokens.shape[1]),
-             version=float(self.ctl.version), update_s=time.perf_counter() - t0,
-             in_flight=float(len(self.in_flight)), ready=float(len(self.ready)))
-    return m
-
-  # ------------------------------------------------------------------ evaluation
-  def evaluate(self, problems) -> dict:
-    """Greedy multi-turn episodes on held-out problems under the current params."""
-    t0 = time.perf_counter()
-    r = dict(self.rd, faults={"env_crash_rate": 0.0, "slow_env_tail": 0.0},
-             env=dict(self.rd["env"], latency_median_s=0.0))
-    if getattr(self, "_eval_engine", None) is None:
-      self._eval_engine = worker_lib.build_engine(self.cfg, self.params, r, self.ctl.version,
-                                                  self.device)
-    else:
-      self._eval_engine.update_params(self.params, self.ctl.version)
-    driver = agent_lib.Driver(self._eval_engine, self.tok, threads=r["tool_threads"],
-                              max_new_tokens=r["max_new_tokens"], temperature=0.0)
-    try:
-      ended = driver.run([worker_lib.make_episode(self.task, p, self.tok, r,
-                                                  rollout_id=f"eval/{i}", group_id="eval",
-                                                  prompt_index=i)
-                          for i, p in enumerate(problems)])
-    finally:
-      driver.close()
-    rewards = np.asarray([ep.reward for ep in ended])
-    return {"success_rate": float(np.mean(rewards >= 1.0)),
-            "reward_mean": float(rewards.mean()), "problems": float(len(ended)),
-            "tool_use_rate": float(np.mean([ep.tool_turns > 0 for ep in ended])),
-            "eval_s": time.perf_counter() - t0}
-
-  # ------------------------------------------------------------------ checkpoints
-  def _state(self):
-    return {"params": self.params, "opt_state": self.opt_state}
-
-  def save(self, mngr):
-    in_flight = [i for i, _ in self.in_flight.values()] + [g.prompt_index for g in self.ready]
-    _write_json(_control_path(self.workdir, self.ctl.update), self.ctl.to_json(in_flight))
-    mngr.save(self.ctl.update, args=ocp.args.Composite(state=ocp.args.StandardSave(
-        self._state())), force=True)
-
-  def restore(self, mngr) -> bool:
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                           sharding=x.sharding), self._state())
-    step, state = ckpt_lib.restore_latest(mngr, abstract, None, what="stage 'rl' (async)")
-    if step is None:
-      return False
-    path = _control_path(self.workdir, step)
-    if not os.path.exists(path):
-      raise ValueError(f"{self.workdir}: checkpoint {step} has no control state {path}")
-    with open(path) as f:
-      self.ctl.load(json.load(f))
-    self.params, self.opt_state = state["params"], state["opt_state"]
-    return True
-
 
 def run(c, workdir: str, *, clock=time.monotonic) -> dict:
   """Runs asynchronous agentic RL until `c.total_steps` updates (resuming from `workdir`)."""
   validate(c)
-  ckpt_lib.quiet_orbax()
-  if jax.default_backend() == "cpu" and not numerics.is_set():
-    logging.warning("XLA:CPU without batch-invariant dots: the engine's and the trainer's "
-                    "log-probs will differ in the last bits (glm5_jax/numerics.py)")
-  tr = Trainer(c, workdir, clock=clock)
-  r = c.rl
-  heldout = tr.task.problems("heldout", r.eval_problems, c.seed)
-  mngr = ckpt_lib.state_manager(workdir, keep=c.keep_checkpoints)
-  preempt = preemption.Preemption()
-  writer, last, stop = None, {}, False
-  try:
-    timing.compile_seconds()        # count compilations from here (metrics "compile_s")
-    restored = tr.restore(mngr)
-    start = tr.ctl.update
-    if start > c.total_steps:
-      raise ValueError(f"config.total_steps={c.total_steps} is below the update {start} of "
-                       f"the checkpoint in {workdir}: expected >= {start}")
-    writer = metrics_lib.MetricWriter(workdir, tensorboard=c.tensorboard,
-                                      resume_step=start if restored else -1)
-    if start == c.total_steps:
-      return {**metrics_lib.final_metrics(workdir)}
-    tr.ledger = _open_ledger(tr, os.path.join(workdir, "rollouts.jsonl"), restored, clock)
-    if start == 0:
-      ev = tr.evaluate(heldout)
-      writer.write(0, ev, prefix="heldout_")
-      last.update({f"heldout_{k}": v for k, v in ev.items()})
-      logging.info("[rl_async] update 0 held-out success %.4f", ev["success_rate"])
-    tr.backend, tr.store = make_backend(c, workdir)
-    tr._publish()
-    tr.backend.start([tr._spec(wid) for wid in range(r.workers)])
-    for wid in range(r.workers):
-      tr.monitor.register(wid)
-    tr._pump(0.0)                        # admit the first groups, then, while the
-    tr.warmup(r.warmup_lengths)          # workers compile and sample them, the trainer's steps
-    if r.faults.kill_worker_after_s > 0:
-      tr.kill_at = clock() + r.faults.kill_worker_after_s
-    wait_s = 0.0
-    t_loop = time.perf_counter()
-    while tr.ctl.update < c.total_steps:
-      t0 = time.perf_counter()
-      taken = None
-      while taken is None:
-        tr._pump(0.02)
-        taken = tr._take()
-        if taken is None and time.perf_counter() - t0 > r.max_wait_s:
-          raise RuntimeError(
-              f"[rl_async] no update for config.rl.max_wait_s={r.max_wait_s}s: "
-              f"{len(tr.in_flight)} groups in flight, {len(tr.ready)} ready, counts "
-              f"{dict(tr.counts)}, worker errors {tr.backend.errors()}")
-      wait_s += time.perf_counter() - t0
-      m = tr._train(taken)
-      wall = time.perf_counter() - t_loop
-      busy = [sum(s.get("busy_s", 0.0) for (w, _), s in tr.worker_stats.items() if w == wid)
-              for wid in range(r.workers)]
-      m.update({k: float(v) for k, v in tr.counts.items()})
-      m.update({f"staleness_hist_{k}": float(v) for k, v in sorted(tr.spans.items())})
-      prefix = routing.PrefixStats()
-      for s in tr.worker_stats.values():
-        prefix.record(s.get("cached_prompt_tokens", 0), s.get("prompt_tokens", 0))
-      compile_s, compiles = timing.compile_seconds()      # this process (local workers too)
-      m.update(trainer_idle_ratio=wait_s / max(wall, 1e-9),
-               compile_s=compile_s, compiles=float(compiles),
-               rollout_idle_ratio=1.0 - (float(np.mean(busy)) / max(wall, 1e-9)
-                                         if busy else 0.0),
-               prefix_hit_rate=prefix.hit_rate,
-               wall_s=wall)
-      u = tr.ctl.update
-      writer.write(u, m)
-      last.update(m)
-      done = u == c.total_steps
-      stop = preempt.should_stop(u)
-      if u % c.log_every == 0 or done or stop:
-        logging.info("[rl_async] update %d/%d v%d  reward %.3f  success %.3f  |dlogp| max "
-                     "%.2e  topk mism %d  masked %.3f  staleness %.2f  idle trainer %.2f "
-                     "(%.1fs)", u, c.total_steps, tr.ctl.version, m["reward_mean"],
-                     m["success_rate"], m["logp_abs_diff_max"], m["topk_mismatches"],
-                     m["is_masked_frac"], m["staleness_mean"], m["trainer_idle_ratio"], wall)
-      if u % r.checkpoint_every == 0 or done or stop:
-        tr.save(mngr)
-      writer.flush()
-      if stop:
-        break
-      if u % r.eval_every == 0 or done:
-        ev = tr.evaluate(heldout)
-        writer.write(u, ev, prefix="heldout_")
-        last.update({f"heldout_{k}": v for k, v in ev.items()})
-        logging.info("[rl_async] update %d held-out success %.4f", u, ev["success_rate"])
-  finally:
-    _shutdown(tr)
-    preempt.close()
-    mngr.wait_until_finished()
-    mngr.close()
-    if writer is not None:
-      writer.close()
-  if stop:
-    raise preemption.Preempted(tr.ctl.update, workdir)
-  return last
+  return loop.run(c, workdir, AsyncTrainer(c, workdir, clock=clock))
 
 
-def _open_ledger(tr: Trainer, path: str, restored: bool, clock):
-  """A new ledger, or on resume the old one with what a killed run left open ledgered as
-  dropped ("shutdown") and group ids continuing after every id it holds."""
-  if not restored:
-    return ledger_lib.Ledger(path, clock=clock)
-  ledger = ledger_lib.Ledger.open(path, clock=clock)
-  for kind, ids in ledger_lib.pending(path).items():
-    for i in ids:
-      ledger.write(i, kind, "dropped", reason="shutdown")
-  gids = [int(e["id"][1:]) for e in ledger_lib.read(path)
-          if e.get("kind") == "group" and e.get("event") == "admitted"]
-  tr.ctl.admitted = max([tr.ctl.admitted] + [g + 1 for g in gids])
-  return ledger
-
-
-def _shutdown(tr: Trainer):
-  """Stops the workers; work in flight or not consumed is ledgered dropped ("shutdown"); the
-  checkpoint's control state re-admits those prompts on resume."""
-  if tr.backend is not None:          # a worker ends at its next loop check: after at most one
-    tr.backend.shutdown(timeout_s=600)  # engine step, which may be compiling (a thread left in
-                                        # XLA at interpreter exit aborts the process)
-  if tr.ledger is None:
-    return
-  for gid, (index, _) in tr.in_flight.items():
-    tr.ledger.write(gid, "group", "dropped", reason="shutdown", prompt_index=index)
-  for g in tr.ready:
-    tr._drop_group(g.group_id, g.prompt_index, "shutdown", requeue=False, rollouts=g.rollouts)
-  tr.ledger.close()
+def read_control(workdir: str, update: int) -> dict:
+  """The control state saved with checkpoint `update` of an asynchronous run (item
+  "control": counters, prompt cursor, the prompts to re-admit first)."""
+  with ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "checkpoints"),
+                             item_handlers={"control": ocp.JsonCheckpointHandler()}) as m:
+    return m.restore(update, args=ocp.args.Composite(control=ocp.args.JsonRestore()))["control"]

@@ -16,7 +16,7 @@ turns: the policy's doing) is trained on with its reward, 0. GLM-5's rule for th
      removed rollouts and their statuses for the ledger either way.
 
 `advantages` is GRPO's group-relative advantage (reward minus the group mean, optionally
-over the sample std + eps), the numpy twin of `glm5_jax.rl.losses.group_advantages`, one
+over the sample std + eps), the numpy twin of `glm5_jax.policy_losses.group_advantages`, one
 value per rollout; every segment of a rollout shares it (`flatten`). Repeating valid samples
 changes the group baseline: the mean is over the filled group, so copies weigh as samples.
 """
@@ -117,7 +117,7 @@ def refill(group: Sequence, rng: np.random.Generator) -> list | None:
 def advantages(group: Sequence, normalize_std: bool = False, eps: float = 1e-6
                ) -> np.ndarray:
   """float32 [G]: reward - group mean (/ (sample std + eps) if normalize_std; a group of one
-  gets 0), as `glm5_jax.rl.losses.group_advantages` on one group."""
+  gets 0), as `glm5_jax.policy_losses.group_advantages` on one group."""
   r = np.asarray([reward(x) for x in group], np.float64)
   if not r.size:
     raise ValueError("groups.advantages: an empty group")

@@ -1,6 +1,6 @@
 """Rollout workers as Ray actors, each its own process and JAX runtime (issue 14, backend="ray").
 
-  backend = RayBackend(RolloutWorker, FileWeights(workdir + "/weights"))
+  backend = RayBackend(RolloutWorker, ShardedWeights(workdir + "/weights"))
   backend.start([{"worker_id": 0, "epoch": 0, ...}, ...])   # same specs as LocalBackend
   backend.inbox(0).put(request); item = backend.outbox.get(timeout=1.0)
   backend.weights.publish(params, version)                    # the trainer, every K updates
@@ -12,9 +12,10 @@ same: an actor wraps it and calls `worker.run(inbox, outbox, weights, should_sto
 long-running method. The actor is threaded (`max_concurrency=2`) so that `stop()` can set
 `should_stop` while `run` is busy. Queues are `ray.util.queue.Queue` (an actor each; its
 `Empty` / `Full` subclass `queue.Empty` / `queue.Full`, so worker code catches the same
-exceptions under both backends). Weights travel as `FileWeights` snapshots: the object is a
-directory path, so every process on the machine (or on a shared filesystem) pulls the same
-checksummed files.
+exceptions under both backends). Weights travel as snapshots on disk (`snapshots.ShardedWeights`:
+each process writes its own shards and reads its own slices, or `weights.FileWeights`: one
+file): the object is a directory path, so every process on the machine (or on a shared
+filesystem) pulls the same checksummed files.
 
 Each actor gets `num_cpus` CPUs of the cluster and an environment of its own (runtime_env
 `env_vars`): `JAX_PLATFORMS=cpu` and one thread per op unless `env_vars` says otherwise, and
@@ -25,6 +26,7 @@ trainer's device split, not the worker's). Ray is optional: `pip install -e ".[r
 import os
 import threading
 
+from glm5_jax.rl import snapshots as snapshots_lib
 from glm5_jax.rl import weights as weights_lib
 from glm5_jax.rl.local_backend import worker_ids
 
@@ -78,13 +80,17 @@ class WorkerActor:
 class RayBackend:
   """N workers of `worker_cls` as Ray actors; starts a local Ray instance unless one is up."""
 
-  def __init__(self, worker_cls, weights: weights_lib.FileWeights, *, num_cpus: float = 1,
+  # Stores other processes can read: a directory on disk.
+  STORES = (snapshots_lib.ShardedWeights, weights_lib.FileWeights)
+
+  def __init__(self, worker_cls, weights, *, num_cpus: float = 1,
                num_gpus: float = 0, env_vars: dict | None = None, address: str | None = None,
                inbox_size: int = 0, outbox_size: int = 0):
     ray = _ray()
-    if not isinstance(weights, weights_lib.FileWeights):
-      raise TypeError(f"RayBackend weights={type(weights).__name__}: expected a FileWeights "
-                      "(actors live in other processes; an InProcessWeights cannot reach them)")
+    if not isinstance(weights, self.STORES):
+      raise TypeError(f"RayBackend weights={type(weights).__name__}: expected one of "
+                      f"{[t.__name__ for t in self.STORES]} (actors live in other processes; "
+                      "an in-process store cannot reach them)")
     init(address)
     from ray.util import queue as ray_queue  # pylint: disable=g-import-not-at-top
     self._ray, self._queue = ray, ray_queue

@@ -8,9 +8,10 @@ in-process weights, or a Ray actor with Ray queues and file snapshots): it only 
            result) when all G episodes of a group have ended, ("error", worker_id, epoch,
            traceback) if the worker itself fails
   weights  `version()` / `latest()`: before every engine step, a newer version is swapped
-           into the engine (`Engine.update_params`, no recompilation); running turns continue
-           under it and every token records the version that sampled it (GLM-5 §3: rollouts
-           never wait for the trainer)
+           into the engine (`Engine.update_params`, no recompilation: leaf by leaf, device to
+           device from the trainer's published arrays, or from a snapshot read from disk);
+           running turns continue under it and every token records the version that sampled
+           it (GLM-5 §3: rollouts never wait for the trainer)
 
 An `agent.Driver` steps the engine while tool calls run in a thread pool, so a slow
 environment stalls only its own episode. Each episode holds one engine session (its turns
@@ -32,23 +33,16 @@ import jax
 import numpy as np
 
 from glm5_jax import config as config_lib
+from glm5_jax import memory
 from glm5_jax import sharding as shd
 from glm5_jax.data import chat
 from glm5_jax.inference import Engine
+from glm5_jax.inference.engine import serving_template
 from glm5_jax.rl import agent as agent_lib
 from glm5_jax.rl import context as context_lib
 from glm5_jax.rl.grpo import seed_of
 from glm5_jax.rl import tasks as tasks_lib
 from glm5_jax.rl import tools as tools_lib
-
-
-def task_of(r: dict):
-  """The Task of the config's `rl` section (a dict); episodes score with its reward."""
-  try:
-    return tasks_lib.get(r["task"], **dict(r["task_options"]))
-  except ValueError as e:
-    raise ValueError(f"config.rl.task={r['task']!r} with config.rl.task_options="
-                     f"{dict(r['task_options'])}: {e}") from None
 
 
 class ToolRunner:
@@ -118,11 +112,18 @@ def maybe_crash_setup(ep, rate: float, rng):
   return ep
 
 
-def build_engine(cfg, params, r: dict, version: int, device=None) -> Engine:
-  mesh = None if device is None else shd.make_mesh({"data": 1}, [device])
+def replica_mesh(devices=None, mesh_axes=None):
+  """A replica's mesh over `devices` (a list; None: no mesh, the first device) with the axes
+  `mesh_axes` (config.rl.rollout_mesh; default all devices over `data`)."""
+  return None if devices is None else shd.make_mesh(dict(mesh_axes or {"data": -1}), devices)
+
+
+def build_engine(cfg, params, r: dict, version: int, mesh=None, rules=None) -> Engine:
+  """A worker's engine on `mesh` (`replica_mesh`) in the model's serving shardings."""
   return Engine(cfg, params, max_batch=r["engine_batch"], max_len=r["max_len"],
                 prefill_chunk=r["prefill_chunk"], steps_per_sync=r["steps_per_sync"],
-                version=version, mesh=mesh, shape_buckets=r["engine_shape_buckets"])
+                version=version, mesh=mesh, rules=rules,
+                shape_buckets=r["engine_shape_buckets"])
 
 
 def make_episode(task, problem, tok, r: dict, *, rollout_id: str, group_id: str,
@@ -135,9 +136,10 @@ def make_episode(task, problem, tok, r: dict, *, rollout_id: str, group_id: str,
 
 
 class RolloutWorker:
-  """See the module docstring. `spec`: picklable {"worker_id", "epoch", "device" (index into
-  jax.devices() or None), "model_config" (dict), "rl" (the config's `rl` as a dict),
-  "tokenizer", "seed"}.
+  """See the module docstring. `spec`: picklable {"worker_id", "epoch", "devices" (indices
+  into jax.devices(), or None: the first `rl.rollout_devices` of this process's runtime),
+  "mesh" (the replica's mesh axes), "rules" (logical-axis rules or None), "model_config"
+  (dict), "rl" (the config's `rl` as a dict), "tokenizer", "seed"}.
 
   A heartbeat thread beats every `rl.heartbeat_s` while `run` is alive (also through long
   compilations); it stops with the loop, so a killed worker falls silent."""
@@ -169,22 +171,29 @@ class RolloutWorker:
   def _run(self, inbox, outbox, weights, should_stop):
     spec, r = self.spec, self.spec["rl"]
     cfg = config_lib.ModelConfig(**spec["model_config"])
-    task = task_of(r)
+    task = tasks_lib.from_config(r)
     tok = chat.get_chat_tokenizer(spec["tokenizer"])
-    device = None if spec["device"] is None else jax.devices()[spec["device"]]
+    devices = (jax.devices()[:r["rollout_devices"]] if spec["devices"] is None
+               else [jax.devices()[i] for i in spec["devices"]])
+    mesh = replica_mesh(devices, spec["mesh"])
+    # Each pull reads straight into the serving shardings (a sharded snapshot: only the
+    # slices this process's devices hold); the engine then serves the arrays as they are.
+    template = serving_template(cfg, mesh, spec["rules"])
     while weights.version() < 0:                # nothing published yet
       if should_stop():
         return
       time.sleep(0.01)
-    version, params = weights.latest()
-    engine = build_engine(cfg, params, r, version, device)
+    version, params = weights.latest(template)
+    engine = build_engine(cfg, params, r, version, mesh, spec["rules"])
+    del params
     runner = ToolRunner(r, seed_of(spec["seed"], self.worker_id, self.epoch))
     crash_rate = r["faults"]["env_crash_rate"]
     crash_rng = np.random.default_rng(seed_of(spec["seed"], self.worker_id, self.epoch, 1))
     task = crashing_task(task, crash_rate, crash_rng)
     driver = agent_lib.Driver(engine, tok, tools=runner, threads=r["tool_threads"],
                               max_new_tokens=r["max_new_tokens"], temperature=r["temperature"])
-    self.info = {"version": engine.version, **driver.stats}
+    pull = dict(getattr(weights, "last_pull", {}))   # what the latest pull read
+    self.info = {"version": engine.version, **driver.stats, **pull}
     groups: dict = {}                            # group_id -> (request, ended episodes)
     try:
       while not should_stop():
@@ -201,8 +210,13 @@ class RolloutWorker:
         # After taking work: the trainer publishes a version before admitting the groups
         # meant for it, so a group never starts on the weights before.
         if weights.version() > engine.version:
-          version, params = weights.latest()
-          engine.update_params(params, version)
+          if hasattr(weights, "last_pull"):           # a store read from another process
+            with memory.Peak() as peak:              # this process: read + swap
+              engine.update_params(*reversed(weights.latest(template)))
+            pull = dict(weights.last_pull, pull_rss_growth_bytes=peak.growth)
+            self.info = {"version": engine.version, **driver.stats, **pull}   # next beat
+          else:
+            engine.update_params(*reversed(weights.latest(template)))
         if not driver.in_flight:
           continue
         t_busy = time.monotonic()
@@ -216,7 +230,7 @@ class RolloutWorker:
                 "group_id": req["group_id"], "prompt_index": req["prompt_index"],
                 "rollouts": [e.trajectories() for e in done]}))
         driver.stats["busy_s"] = driver.stats.get("busy_s", 0.0) + time.monotonic() - t_busy
-        self.info = {"version": engine.version, **driver.stats}
+        self.info = {"version": engine.version, **driver.stats, **pull}
         if not engine.num_unfinished and driver.in_flight:
           time.sleep(0.001)                      # only tools running: do not spin
     finally:

@@ -1,4 +1,4 @@
-"""Versioned weights: the trainer publishes, rollout workers pull (async RL, issue 14).
+"""Versioned weights: the trainer publishes, rollout workers pull (async RL).
 
   weights.publish(params, version)       # trainer, every K updates; versions strictly rise
   if weights.version() > engine.version:  # rollout worker, before each new batch of work
@@ -6,17 +6,31 @@
 
 GLM-5 (arXiv 2602.15763, §3) decouples rollout from training: workers keep sampling while the
 trainer updates, and pick up new weights as they are pushed; every sampled token records the
-version that produced it (`glm5_jax/inference/engine.py`). Two stores with that interface:
+version that produced it (`glm5_jax/inference/engine.py`). Stores with that interface, by
+where the replicas run:
 
-  InProcessWeights   threads of one process (the local backend): host (numpy) copies of the
-                     last `keep` versions, each with its checksum.
-  FileWeights(dir)   processes on one machine or a shared filesystem (the Ray backend): one
-                     file per version, written under a temporary name and renamed into place,
-                     so a reader sees a whole snapshot or none; older snapshots pruned.
+  DeviceWeights      replicas in this process on devices of their own (the local backend,
+                     disaggregated): the published version stays on the trainer's devices
+                     in its shardings, and each replica's engine copies it device to device,
+                     leaf by leaf, into its own shardings (`Engine.update_params`): no host
+                     copy, and a swap holds at most one leaf beyond the parameters.
+  InProcessWeights   threads of one process: host (numpy) copies of the last `keep` versions,
+                     each with its checksum (the host round trip `bench_rl` compares with).
+  ShardedWeights(dir)  (rl/snapshots.py) processes and hosts (the Ray backend's default,
+                     `jax.distributed` pods): each writer process writes only the shards its
+                     devices own, each reader reads only the slices its devices need, into
+                     the `template`'s shardings; checksummed per shard, committed atomically
+                     under the version. No process holds the whole tree.
+  FileWeights(dir)   processes on one machine or a shared filesystem (config.rl.snapshots=
+                     "file"): one file per version, written under a temporary name and
+                     renamed into place, so a reader sees a whole snapshot or none; older
+                     snapshots pruned.
 
-Both verify `checksum(params)` on `latest()`, so a worker never serves weights that differ
-from what the trainer published. `params` must be fully addressable (on a multi-host mesh,
-gather it first, e.g. `jax.experimental.multihost_utils.process_allgather`).
+(The colocated placement of synchronous GRPO needs no store: its engine serves the trainer's
+own arrays on the trainer's mesh, rl/grpo.py.) The host stores verify `checksum(params)` on
+`latest()`, so a worker never serves weights that differ from what the trainer published;
+their `params` must be fully addressable (for a multi-host mesh use ShardedWeights). Every store's `last_push` holds the
+bytes and seconds of its latest publish ({"push_bytes", "push_s"}).
 
 A snapshot file `v{version:010d}.weights` is: the 8 bytes `GLM5WTS1`, the manifest's length
 (8 bytes, little-endian), the manifest (JSON: version, checksum, and per leaf its key path,
@@ -28,6 +42,7 @@ import json
 import os
 import re
 import threading
+import time
 import uuid
 
 import jax
@@ -122,6 +137,51 @@ def _check_version(version, current: int, where: str) -> int:
   return int(version)
 
 
+def _tree_bytes(params) -> int:
+  return int(sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(params)))
+
+
+# ------------------------------------------------------------------ on devices
+class DeviceWeights:
+  """The latest published version as device arrays, for replicas in this process.
+
+  `publish` keeps a reference to `params` (the caller hands over arrays it will not donate or
+  change: the async trainer publishes a copy it keeps for the consistency measurement);
+  `latest` returns them as they are, on the trainer's devices: the replica's engine reshards
+  each leaf into its own devices (`Engine.update_params`). jax.Arrays are immutable, so no
+  checksum is needed. `last_push` counts the bytes a replica copies per pull.
+  """
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._version, self._params = -1, None
+    self.last_push = {"push_bytes": 0.0, "push_s": 0.0}
+
+  def version(self) -> int:
+    with self._lock:
+      return self._version
+
+  def publish(self, params, version: int) -> None:
+    t0 = time.perf_counter()
+    with self._lock:
+      self._version = _check_version(version, self._version, "DeviceWeights")
+      self._params = params
+    self.last_push = {"push_bytes": float(_tree_bytes(params)),
+                      "push_s": time.perf_counter() - t0}
+
+  def latest(self, template=None):
+    """(version, params) of the latest publish; LookupError before the first."""
+    with self._lock:
+      if self._params is None:
+        raise LookupError("DeviceWeights.latest: nothing published yet")
+      version, params = self._version, self._params
+    if template is not None and (jax.tree_util.tree_structure(template)
+                                 != jax.tree_util.tree_structure(params)):
+      raise ValueError("DeviceWeights.latest: the template's tree differs from the published "
+                       "params'")
+    return version, params
+
+
 # ------------------------------------------------------------------ in process
 class InProcessWeights:
   """Host copies of the last `keep` published versions, for threads of one process.
@@ -136,6 +196,7 @@ class InProcessWeights:
     self.keep = keep
     self._lock = threading.Lock()
     self._store = {}          # version -> (checksum, [(path, array)])
+    self.last_push = {"push_bytes": 0.0, "push_s": 0.0}
 
   def version(self) -> int:
     """The latest published version; -1 before the first publish."""
@@ -143,6 +204,7 @@ class InProcessWeights:
       return max(self._store, default=-1)
 
   def publish(self, params, version: int) -> None:
+    t0 = time.perf_counter()
     items = []
     for path, a in flatten(params):
       a = np.array(a, copy=True)
@@ -154,6 +216,8 @@ class InProcessWeights:
       self._store[version] = (digest, items)
       for old in sorted(self._store)[:-self.keep]:
         del self._store[old]
+    self.last_push = {"push_bytes": float(sum(a.nbytes for _, a in items)),
+                      "push_s": time.perf_counter() - t0}
 
   def get(self, version: int, template=None):
     """The params of a kept `version` (checksum verified)."""
@@ -197,6 +261,7 @@ class FileWeights:
       raise ValueError(f"FileWeights keep={keep!r}: expected an int >= 1")
     self.directory, self.keep = directory, keep
     os.makedirs(directory, exist_ok=True)
+    self.last_push = {"push_bytes": 0.0, "push_s": 0.0}
 
   def path(self, version: int) -> str:
     return os.path.join(self.directory, f"v{version:010d}.weights")
@@ -210,6 +275,7 @@ class FileWeights:
     return max(self.versions(), default=-1)
 
   def publish(self, params, version: int) -> None:
+    t0 = time.perf_counter()
     version = _check_version(version, self.version(), "FileWeights")
     items = flatten(params)
     leaves, offset = [], 0
@@ -237,6 +303,7 @@ class FileWeights:
         os.remove(self.path(old))
       except FileNotFoundError:
         pass                                   # another process pruned it first
+    self.last_push = {"push_bytes": float(offset), "push_s": time.perf_counter() - t0}
 
   def get(self, version: int, template=None):
     """The params of `version` read from its file, checksum verified."""

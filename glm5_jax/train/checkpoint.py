@@ -69,28 +69,37 @@ def find_model_config(path: str) -> tuple[str, "ModelConfig"]:  # noqa: F821
     return workdir, ModelConfig(**json.load(f))
 
 
-def manager(workdir: str, *, keep: int, async_save: bool = True) -> ocp.CheckpointManager:
+def manager(workdir: str, *, keep: int, async_save: bool = True,
+            items: dict | None = None) -> ocp.CheckpointManager:
+  """The manager of WORKDIR/checkpoints/<step>/{state, ...}: the TrainState plus `items`
+  ({name: orbax handler}; default the grain iterator as "data")."""
   check_keep(keep)
   opts = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                       enable_async_checkpointing=async_save)
+  items = {"data": grain.checkpoint.CheckpointHandler()} if items is None else items
   return ocp.CheckpointManager(
       os.path.join(os.path.abspath(workdir), "checkpoints"), options=opts,
-      item_handlers={"state": ocp.StandardCheckpointHandler(),
-                     "data": grain.checkpoint.CheckpointHandler()})
+      item_handlers={"state": ocp.StandardCheckpointHandler(), **items})
 
 
-def save(mngr: ocp.CheckpointManager, step: int, state, data_iter, *, force: bool = False) -> bool:
-  return mngr.save(step, args=ocp.args.Composite(
-      state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(data_iter)),
-                   force=force)
+def save(mngr: ocp.CheckpointManager, step: int, state, data_iter=None, *, force: bool = False,
+         items: dict | None = None) -> bool:
+  """Saves the state, the grain iterator (unless None) and `items` ({name: orbax save
+  args})."""
+  args = {"state": ocp.args.StandardSave(state), **(items or {})}
+  if data_iter is not None:
+    args["data"] = grain.checkpoint.CheckpointSave(data_iter)
+  return mngr.save(step, args=ocp.args.Composite(**args), force=force)
 
 
-def restore(mngr: ocp.CheckpointManager, step: int, abstract_state, data_iter):
-  """Restores (state placed like `abstract_state`, and `data_iter` in place unless None)."""
-  items = {"state": ocp.args.StandardRestore(abstract_state)}
+def restore(mngr: ocp.CheckpointManager, step: int, abstract_state, data_iter, items=None):
+  """{"state": state placed like `abstract_state`, name: each of `items` restored} (the
+  grain `data_iter` in place unless None)."""
+  args = {"state": ocp.args.StandardRestore(abstract_state), **(items or {})}
   if data_iter is not None:                  # None: a state-only manager (RL, saved params)
-    items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
-  return mngr.restore(step, args=ocp.args.Composite(**items))["state"]
+    args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+  out = mngr.restore(step, args=ocp.args.Composite(**args))
+  return {k: out[k] for k in args if k != "data"}
 
 
 class CorruptCheckpoint(ValueError):
@@ -193,14 +202,15 @@ def _tree_paths(tree) -> set:
           for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def restore_latest(mngr: ocp.CheckpointManager, abstract_state, data_iter, *,
-                   what: str = "this run's config"):
+def restore_latest(mngr: ocp.CheckpointManager, abstract_state, data_iter=None, *,
+                   what: str = "this run's config", items: dict | None = None):
   """(step, state) of the newest readable checkpoint, or (None, None) without one.
 
   A corrupt step (a truncated or missing file) is reported in one log line naming its
   file, moved to WORKDIR/corrupt_checkpoints/<step> (process 0) and the previous one is
   used. A checkpoint whose state has another tree (another stage's frozen mask, another
-  optimizer) is a ValueError naming `what`, not corruption.
+  optimizer) is a ValueError naming `what`, not corruption. With `items` ({name: orbax
+  restore args}), the state is a dict {"state": ..., name: ...}.
   """
   for step in sorted(mngr.all_steps(), reverse=True):
     step_dir = os.path.join(str(mngr.directory), str(step))
@@ -212,9 +222,9 @@ def restore_latest(mngr: ocp.CheckpointManager, abstract_state, data_iter, *,
             f"{step_dir}: the saved training state does not fit {what} ({len(diff)} paths "
             f"differ, e.g. {diff[:3]}); this workdir was trained with another stage or "
             "optimizer: use a new --workdir with --config.init_from pointing at this one")
-      state = read_step(step_dir, lambda step=step: restore(mngr, step, abstract_state,
-                                                            data_iter))
-      return step, state
+      out = read_step(step_dir, lambda step=step: restore(mngr, step, abstract_state,
+                                                          data_iter, items))
+      return step, (out if items is not None else out["state"])
     except CorruptCheckpoint as e:
       logging.error("checkpoint step %d is unreadable, using the previous one: %s", step, e)
       _move_aside(mngr, step)
@@ -345,18 +355,52 @@ def save_params(workdir: str, cfg, params, *, step: int = 0) -> str:
   return workdir
 
 
+def _is_hf_dir(path: str) -> bool:
+  return os.path.exists(os.path.join(path, "config.json"))
+
+
+def model_config_of(path: str, what: str = "checkpoint"):
+  """The ModelConfig of a Hugging Face directory or a training workdir, without reading its
+  parameters; errors name `what`."""
+  try:
+    if _is_hf_dir(path):
+      from glm5_jax import hf  # pylint: disable=g-import-not-at-top
+      return hf.read_config(path)
+    return find_model_config(path)[1]
+  except (FileNotFoundError, ValueError) as e:
+    raise ValueError(f"{what}={path!r}: {e}") from None
+
+
+def load_params(path: str, cfg, shardings, *, mesh=None, rules=None,
+                what: str = "config.init_from"):
+  """The parameters of a Hugging Face directory or a workdir's latest (or given) step, read
+  straight into `shardings` (a tree of NamedShardings for `cfg`'s parameters): each process
+  reads only the slices its devices hold. `cfg` must be the model `path` holds."""
+  from glm5_jax import nn as gnn  # pylint: disable=g-import-not-at-top
+  if _is_hf_dir(path):
+    from glm5_jax import hf  # pylint: disable=g-import-not-at-top
+    got, params = hf.load_pretrained(path, mesh=mesh, rules=rules)
+    diff = model_diff(model_fields(got), model_fields(cfg))
+    if diff:
+      raise ValueError(f"{what}={path!r} holds another model (field: (there, here)): {diff}")
+    return jax.tree.map(lambda x, sh: jax.device_put(x, sh), params, shardings)
+  shapes, _ = gnn.abstract_params(cfg)
+  target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        shapes, shardings)
+  try:
+    return restore_params(path, target, what=what)
+  except FileNotFoundError as e:
+    raise ValueError(str(e)) from None
+
+
 def load_model(path: str, what: str = "checkpoint"):
   """(ModelConfig, params) from a Hugging Face directory or a pretraining workdir.
 
   A workdir (or one of its `checkpoints/<step>` dirs) gives its latest (or that)
   step's params, placed on the first device.
   """
-  if os.path.exists(os.path.join(path, "config.json")):
-    from glm5_jax import hf  # pylint: disable=g-import-not-at-top
-    return hf.load_pretrained(path)
-  from glm5_jax import nn as gnn  # pylint: disable=g-import-not-at-top
-  _, cfg = find_model_config(path)
-  shapes, _ = gnn.abstract_params(cfg)
+  cfg = model_config_of(path, what)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), shapes)
-  return cfg, restore_params(path, target, what=what)
+  from glm5_jax import nn as gnn  # pylint: disable=g-import-not-at-top
+  shapes, _ = gnn.abstract_params(cfg)
+  return cfg, load_params(path, cfg, jax.tree.map(lambda _: device, shapes), what=what)

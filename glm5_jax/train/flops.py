@@ -113,13 +113,14 @@ def flops_terms(cfg, seq_len: int, stage: str = "pretrain",
     kind = "moe" if cfg.is_moe_layer(i) else "dense"
     add(kind, layer_terms(cfg, seq_len, stage, moe=cfg.is_moe_layer(i),
                           has_indexer=cfg.indexer_type(i) == "full", keys=keys), 1)
-  steps = cfg.mtp_num_steps if cfg.has_mtp else 0
+  policy = st.loss != "lm"            # RL: the policy forward (no MTP) and its log-probs
+  steps = cfg.mtp_num_steps if cfg.has_mtp and not policy else 0
   if steps:
     d = cfg.hidden_size
     add("mtp", layer_terms(cfg, seq_len, stage, moe=cfg.is_moe_layer(cfg.num_hidden_layers),
                            has_indexer=True, keys=keys), steps)
     add("mtp", {"eh_proj": (4.0 * d * d, lm)}, steps)
-  if st.lm_loss:
+  if st.lm_loss or policy:
     heads = 1 + steps
     out["lm_head"] = (2.0 * cfg.hidden_size * cfg.vocab_size * heads, 2)
   return out

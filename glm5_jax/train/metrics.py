@@ -92,18 +92,25 @@ class Progress:
   def exclude(self, seconds: float):
     self._excluded += seconds
 
-  def update(self, step: int) -> dict:
+  def update(self, step: int, tokens: float | None = None) -> dict:
+    """Rates since the last update; `tokens`: those trained on in that window (default:
+    `tokens_per_step` per step)."""
     now = time.perf_counter()
     dt, ds = now - self._t - self._excluded, max(step - self._step, 1)
     self._t, self._step, self._excluded = now, step, 0.0
     sps = ds / max(dt, 1e-9)
-    return {"steps_per_s": sps, "tokens_per_s": sps * self.tokens_per_step,
+    tps = sps * self.tokens_per_step if tokens is None else tokens / max(dt, 1e-9)
+    return {"steps_per_s": sps, "tokens_per_s": tps,
             "eta_s": (self.total - step) / max(sps, 1e-9)}
 
 
-def log_line(stage: str, step: int, total: int, m: dict, p: dict):
-  logging.info("[%s] step %d/%d  loss %.4f  ce %.4f  kl %.3g  gnorm %.3f  lr %.2e  "
-               "%.2f steps/s  %.0f tok/s  mfu %.2g  ETA %.0fs", stage, step, total,
-               m.get("loss", np.nan), m.get("ce", np.nan), m.get("indexer_kl", np.nan),
-               m.get("grad_norm", np.nan), m.get("learning_rate", np.nan), p["steps_per_s"],
-               p["tokens_per_s"], m.get("est_mfu", np.nan), p["eta_s"])
+# (label, metric, format) of a stage's log line; the runner appends throughput and ETA.
+LM_LOG = (("loss", "loss", ".4f"), ("ce", "ce", ".4f"), ("kl", "indexer_kl", ".3g"),
+          ("gnorm", "grad_norm", ".3f"), ("lr", "learning_rate", ".2e"))
+
+
+def log_line(stage: str, step: int, total: int, m: dict, p: dict, fields=LM_LOG):
+  parts = [f"{label} {format(m.get(key, np.nan), fmt)}" for label, key, fmt in fields]
+  logging.info("[%s] step %d/%d  %s  %.2f steps/s  %.0f tok/s  mfu %.2g  ETA %.0fs", stage,
+               step, total, "  ".join(parts), p["steps_per_s"], p["tokens_per_s"],
+               m.get("est_mfu", np.nan), p["eta_s"])

@@ -1,17 +1,31 @@
 """Train and eval steps: losses per stage, optimizer update, routing-bias update.
 
 What each stage does is one row of `STAGE_TABLE` (GLM-5 paper §2 "DSA" and §3):
-  stage        attention  trains              losses
-  pretrain     dense      all but indexer     LM + MTP
-  midtrain     dense      all but indexer     LM + MTP (longer sequences)
-  dsa_warmup   dense      indexer only        dense indexer KL (DeepSeek-V3.2 eq. 3)
-  dsa_sparse   sparse     all                 LM + MTP + sparse indexer KL (eq. 4; detached inputs)
-  sft          sparse     all                 LM + MTP on the assistant's tokens (loss_mask)
-                                              + sparse indexer KL (the indexer adapts to the
-                                              new data, as in the sparse stage)
-  rl           sparse     all but indexer     a policy-gradient loss on rollouts (glm5_jax.rl)
+  stage        attention  trains              loss             what it is
+  pretrain     dense      all but indexer     lm               LM + MTP
+  midtrain     dense      all but indexer     lm               LM + MTP (longer sequences)
+  dsa_warmup   dense      indexer only        lm               dense indexer KL alone
+                                                               (DeepSeek-V3.2 eq. 3)
+  dsa_sparse   sparse     all                 lm               LM + MTP + sparse indexer KL
+                                                               (eq. 4; detached inputs)
+  sft          sparse     all                 lm               LM + MTP on the assistant's
+                                                               tokens (loss_mask) + sparse
+                                                               indexer KL (the indexer adapts
+                                                               to the new data)
+  rl           sparse     all but indexer     icepop_grpo      GRPO + IcePop on rollouts
+                                                               (synchronous; with a teacher,
+                                                               on-policy distillation: the
+                                                               same loss, per-token advantages)
+  rl_async     sparse     all but indexer     double_sided_is  direct double-sided IS against
+                                                               the rollout log-probs
 The indexer is frozen in RL, as slime's GLM-5 recipe does (`--freeze-indexer`), so the
 trainer's and the rollout engine's top-k stay the same function of the same weights.
+
+Every stage runs the one `train_step`: `LOSSES[row.loss]` gives the loss of a batch, then
+the optimizer update (with gradient accumulation over `microbatches`), and the routing-bias
+update where the LM loss runs the routed layers forward. A batch is a dict of [b, ...]
+arrays: `tokens`, `positions`, `segment_ids` (+ `loss_mask`) for the LM loss; the RL losses
+add `loss_mask`, `rollout_logp`, `advantages` ([b] or [b, t]) and, for IcePop, `old_logp`.
 """
 
 from __future__ import annotations
@@ -28,6 +42,8 @@ import optax
 from glm5_jax import losses
 from glm5_jax import nn as gnn
 from glm5_jax import optim
+from glm5_jax import policy
+from glm5_jax import policy_losses
 from glm5_jax.nn import context_parallel as cp
 from glm5_jax.nn import layer_stack
 from glm5_jax.optim.param_groups import matrix_mask
@@ -39,9 +55,11 @@ class Stage:
   trains: str             # "all" | "all_but_indexer" | "indexer"
   lm_loss: bool           # next-token CE + MTP
   indexer_kl: bool        # the indexer's KL loss (dense in dense stages, sparse otherwise)
-  data: str = "corpus"    # "corpus": tokenized documents (data/corpus.py); "conversations":
-                          # chat records with loss masks (data/sft.py); "rollouts": RL
-  runner: str = "loop"    # "loop": train.loop.run; "rl": rl.grpo.run
+  data: str = "corpus"    # the batch source: "corpus": tokenized documents (data/corpus.py);
+                          # "conversations": chat records with loss masks (data/sft.py);
+                          # "rollouts": the synchronous GRPO loop (rl/grpo.py); "streams":
+                          # the asynchronous rollout workers (rl/async_loop.py)
+  loss: str = "lm"        # a key of LOSSES
 
 
 STAGE_TABLE = {
@@ -51,7 +69,9 @@ STAGE_TABLE = {
     "dsa_sparse": Stage("sparse", "all", lm_loss=True, indexer_kl=True),
     "sft": Stage("sparse", "all", lm_loss=True, indexer_kl=True, data="conversations"),
     "rl": Stage("sparse", "all_but_indexer", lm_loss=False, indexer_kl=False, data="rollouts",
-                runner="rl"),
+                loss="icepop_grpo"),
+    "rl_async": Stage("sparse", "all_but_indexer", lm_loss=False, indexer_kl=False,
+                      data="streams", loss="double_sided_is"),
 }
 STAGES = tuple(STAGE_TABLE)
 
@@ -223,6 +243,81 @@ def expert_imbalance(load):
   return jnp.max(load) / jnp.maximum(jnp.mean(load), 1e-9)
 
 
+# The RL rows' objectives (GLM-5 §3; glm5_jax/policy_losses.py) on a batch with the policy's
+# log-probs `logp` [b, t], and the whole batch's denominator when the batch is one part.
+def _icepop(logp, batch, hp, whole):
+  return policy_losses.icepop_grpo_loss(
+      logp, batch["old_logp"], batch["rollout_logp"], batch["advantages"], batch["loss_mask"],
+      beta=hp["icepop_beta"], eps_low=hp["eps_low"], eps_high=hp["eps_high"],
+      num_seqs=None if whole is None else whole["seqs"])
+
+
+def _double_sided_is(logp, batch, hp, whole):
+  return policy_losses.double_sided_is_loss(
+      logp, batch["rollout_logp"], batch["advantages"], batch["loss_mask"],
+      eps_low=hp["eps_low"], eps_high=hp["eps_high"],
+      num_tokens=None if whole is None else whole["tokens"])
+
+
+_POLICY_OBJECTIVES = {"icepop_grpo": _icepop, "double_sided_is": _double_sided_is}
+# How the parts' metrics of a policy loss combine (gradient accumulation): extremes by min /
+# max, counts by sum, every other metric (a token mean) by its share of the batch's tokens.
+_EXTREMES = {"ratio_min": (jnp.minimum, jnp.inf), "ratio_max": (jnp.maximum, -jnp.inf)}
+_COUNTS = ("tokens", "seqs", "loss")
+
+
+def policy_loss_fn(params, batch, *, cfg, stage: str, hp: dict, norm=None):
+  """An RL row's loss (`Stage.loss`) on a batch of rollouts, with the policy's forward
+  (`policy.policy_forward`, the one the rollout engine runs).
+
+  hp: {"logprob_chunk", "eps_low", "eps_high"} (+ "icepop_beta" for icepop_grpo).
+  norm: None, or {"tokens", "seqs": the whole batch's mask tokens and sequences, "parts"}
+    for one part of a larger batch: the loss is its share of the whole batch's, and every
+    metric is combinable (`_EXTREMES`, `_COUNTS`, token shares) into the whole batch's.
+  Returns (loss, (metrics, None)): metrics of the objective plus `loss` and `entropy`.
+  """
+  logp, ent, _ = policy.policy_forward(params, batch["tokens"], batch["positions"],
+                                       batch["segment_ids"], cfg=stage_model_config(cfg, stage),
+                                       chunk_size=hp["logprob_chunk"])
+  loss, m = _POLICY_OBJECTIVES[get_stage(stage).loss](logp, batch, hp, norm)
+  mask = batch["loss_mask"]
+  m = {**m, "entropy": policy_losses.token_mean(ent, mask), "loss": loss}
+  if norm is not None:
+    share = jnp.sum(mask > 0) / jnp.maximum(norm["tokens"], 1.0)
+    m = {k: v if k in _EXTREMES or k in _COUNTS else v * share for k, v in m.items()}
+  return loss, (m, None)
+
+
+def _lm_loss(params, batch, *, cfg, stage, hp, norm=None):
+  return loss_fn(params, batch, cfg=cfg, stage=stage, loss_chunk=hp["loss_chunk"], norm=norm)
+
+
+# Stage.loss -> (loss function (params, batch, *, cfg, stage, hp, norm), the whole batch's
+# normalisers for gradient accumulation (batch, cfg, stage) -> norm).
+LOSSES = {
+    "lm": (_lm_loss, lambda b, cfg, stage: {
+        "tokens": {o: jnp.sum(targets(b, o)[1]) for o in target_offsets(cfg, stage)}}),
+    "icepop_grpo": (policy_loss_fn, lambda b, cfg, stage: _rollout_counts(b)),
+    "double_sided_is": (policy_loss_fn, lambda b, cfg, stage: _rollout_counts(b)),
+}
+
+
+def _rollout_counts(b):
+  m = b["loss_mask"] > 0
+  return {"tokens": jnp.sum(m), "seqs": jnp.sum(jnp.any(m, axis=-1))}
+
+
+def loss_hparams(c) -> dict:
+  """The loss hyper-parameters of config `c`'s stage (the `hp` of `LOSSES`)."""
+  if get_stage(c.stage).loss == "lm":
+    return {"loss_chunk": c.loss_chunk}
+  r = c.rl
+  hp = {"logprob_chunk": r.logprob_chunk, "eps_low": r.eps_low, "eps_high": r.eps_high}
+  if get_stage(c.stage).loss == "icepop_grpo":
+    hp["icepop_beta"] = r.icepop_beta
+  return hp
+
+
 def _with_new_bias(layer_params, load, rate):
   router = dict(layer_params["moe"]["router"])
   router["e_score_correction_bias"] = losses.update_routing_bias(
@@ -267,16 +362,21 @@ def _split(x, n: int):
   return jnp.moveaxis(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 1, 0)
 
 
-def grads_and_parts(params, batch, *, cfg, stage, loss_chunk, microbatches: int = 1):
-  """Gradient of the batch's loss, its parts and expert loads, `microbatches` rows at a time.
+def grads_and_parts(params, batch, *, cfg, stage, loss_chunk=None, microbatches: int = 1,
+                    hp=None):
+  """Gradient of the batch's loss (`LOSSES[stage's loss]`), its parts and expert loads,
+  `microbatches` rows at a time.
 
   Gradient accumulation: the batch is cut into `microbatches` equal parts (`_split`) run
   one after another by `lax.scan`; each part's loss is its share of the whole batch's
-  (`loss_fn`'s `norm`: token sums over the whole batch's token counts), so the summed
+  (the loss's `norm`: the whole batch's token (and, for RL, sequence) counts), so the summed
   gradients and parts equal the whole batch's; expert loads (fractions of equal parts'
-  routed slots) are averaged. Returns (grads, parts, (expert_load, mtp_load)).
+  routed slots) are averaged. Returns (grads, parts, (expert_load, mtp_load) or None).
+  hp: the loss's hyper-parameters (`loss_hparams`); default {"loss_chunk": loss_chunk}.
   """
-  loss = functools.partial(loss_fn, cfg=cfg, stage=stage, loss_chunk=loss_chunk)
+  fn, whole = LOSSES[get_stage(stage).loss]
+  hp = {"loss_chunk": loss_chunk} if hp is None else hp
+  loss = functools.partial(fn, cfg=cfg, stage=stage, hp=hp)
   grad_fn = jax.value_and_grad(loss, has_aux=True)
   if microbatches == 1:
     (_, (parts, load)), grads = grad_fn(params, batch)
@@ -285,8 +385,7 @@ def grads_and_parts(params, batch, *, cfg, stage, loss_chunk, microbatches: int 
   if b % microbatches:
     raise ValueError(f"config.microbatches={microbatches} does not divide the batch's "
                      f"{b} rows")
-  norm = {"tokens": {o: jnp.sum(targets(batch, o)[1]) for o in target_offsets(cfg, stage)},
-          "parts": microbatches}
+  norm = {**whole(batch, cfg, stage), "parts": microbatches}
   parts_bt = jax.tree.map(lambda x: _split(x, microbatches), batch)
 
   def one(part):
@@ -295,19 +394,25 @@ def grads_and_parts(params, batch, *, cfg, stage, loss_chunk, microbatches: int 
     return grads, parts, jax.tree.map(lambda x: x / microbatches, load)
 
   def body(acc, part):
-    return jax.tree.map(jnp.add, acc, one(part)), None
+    (g0, p0, l0), (g, p, l) = acc, one(part)
+    p = {k: _EXTREMES.get(k, (jnp.add, 0))[0](p0[k], v) for k, v in p.items()}
+    return (jax.tree.map(jnp.add, g0, g), p, jax.tree.map(jnp.add, l0, l)), None
 
   shapes = jax.eval_shape(one, jax.tree.map(lambda x: x[0], parts_bt))
-  acc0 = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
-  (grads, parts, load), _ = jax.lax.scan(body, acc0, parts_bt)
-  return grads, {**parts, "expert_imbalance": expert_imbalance(load[0])}, load
+  grads0, parts0, load0 = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+  parts0 = {k: jnp.full_like(v, _EXTREMES[k][1]) if k in _EXTREMES else v
+            for k, v in parts0.items()}
+  (grads, parts, load), _ = jax.lax.scan(body, (grads0, parts0, load0), parts_bt)
+  if load is not None:
+    parts = {**parts, "expert_imbalance": expert_imbalance(load[0])}
+  return grads, parts, load
 
 
-def train_step(state: TrainState, batch, *, cfg, stage, tx, loss_chunk, bias_rate,
-               microbatches: int = 1):
+def train_step(state: TrainState, batch, *, cfg, stage, tx, loss_chunk=None, bias_rate=0.0,
+               microbatches: int = 1, hp=None):
   """One optimizer update on `batch` (in `microbatches` parts, see `grads_and_parts`)."""
   grads, parts, load = grads_and_parts(state.params, batch, cfg=cfg, stage=stage,
-                                       loss_chunk=loss_chunk, microbatches=microbatches)
+                                       loss_chunk=loss_chunk, microbatches=microbatches, hp=hp)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   if get_stage(stage).lm_loss:                    # the routed layers run forward for the LM

@@ -153,3 +153,22 @@ def get(name: str, **options) -> Task:
               module.MAX_RESPONSE_BYTES, tuple(getattr(module, "TOOLS", ())),
               getattr(module, "solution_calls", None),
               getattr(module, "solution_results", None), getattr(module, "reasoning", None))
+
+
+def from_config(r) -> Task:
+  """The task of a config's `rl` section (a ConfigDict or a dict): `rl.task` with
+  `rl.task_options`; errors name both fields."""
+  try:
+    return get(r["task"], **dict(r["task_options"]))
+  except ValueError as e:
+    raise ValueError(f"config.rl.task={r['task']!r} with config.rl.task_options="
+                     f"{dict(r['task_options'])} (filled for the config's default task; give "
+                     f"the chosen task's options): {e}") from None
+
+
+def heldout_problems(task: Task, r, seed: int) -> list:
+  """The `rl.eval_problems` held-out problems of `task` for `seed`; errors name the field."""
+  try:
+    return task.problems("heldout", r["eval_problems"], seed)
+  except ValueError as e:
+    raise ValueError(f"config.rl.eval_problems={r['eval_problems']}: {e}") from None

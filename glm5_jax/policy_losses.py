@@ -119,16 +119,20 @@ def _log_ratio(logp_a, logp_b):
   return jnp.clip(logp_a - logp_b, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
-def token_mean(x_bt, m_bt):
-  """sum(x * m) / sum(m); 0 when the mask is empty."""
-  return jnp.sum(x_bt * m_bt) / jnp.maximum(jnp.sum(m_bt), 1.0)
+def token_mean(x_bt, m_bt, num_tokens=None):
+  """sum(x * m) / sum(m); 0 when the mask is empty. `num_tokens`: the denominator instead
+  of sum(m) (a part of a larger batch: its share of the whole batch's mean)."""
+  n = jnp.sum(m_bt) if num_tokens is None else num_tokens
+  return jnp.sum(x_bt * m_bt) / jnp.maximum(n, 1.0)
 
 
-def _sequence_mean(x_bt, m_bt):
-  """Mean over each sequence's mask tokens, then over the sequences that have any."""
+def _sequence_mean(x_bt, m_bt, num_seqs=None):
+  """Mean over each sequence's mask tokens, then over the sequences that have any (or over
+  `num_seqs`: a part of a larger batch)."""
   n_b = jnp.sum(m_bt, axis=-1)
   per_seq = jnp.sum(x_bt * m_bt, axis=-1) / jnp.maximum(n_b, 1.0)
-  return jnp.sum(per_seq) / jnp.maximum(jnp.sum(n_b > 0), 1)
+  n = jnp.sum(n_b > 0) if num_seqs is None else num_seqs
+  return jnp.sum(per_seq) / jnp.maximum(n, 1)
 
 
 def _base_metrics(r_bt, m_bt):
@@ -218,7 +222,7 @@ def opd_advantages(teacher_logp, logp):
 # --------------------------------------------------------------------------------------
 
 def _mismatch_weighted_grpo(weight_fn, flag_name, logp, old_logp, rollout_logp, advantages,
-                            mask, eps_low, eps_high):
+                            mask, eps_low, eps_high, num_seqs=None):
   """-seq_mean( w(rho) * min(r A, clip(r) A) ), rho = pi_old / pi_roll, r = pi_theta / pi_old.
 
   `weight_fn(rho_bt) -> (w_bt, flagged_bt)`; the flagged fraction is reported as `flag_name`.
@@ -232,7 +236,7 @@ def _mismatch_weighted_grpo(weight_fn, flag_name, logp, old_logp, rollout_logp, 
   w, flagged = weight_fn(jnp.exp(log_rho))
   r = jnp.exp(_log_ratio(lp["logp"], old))
   surrogate, clipped = _clipped_surrogate(r, a, eps_low, eps_high)
-  loss = -_sequence_mean(w * surrogate, m)
+  loss = -_sequence_mean(w * surrogate, m, num_seqs)
   metrics = {**_base_metrics(r, m), "clip_frac": token_mean(clipped.astype(m.dtype), m),
              flag_name: token_mean(flagged.astype(m.dtype), m),
              "mismatch_kl": token_mean(_k3(-log_rho), m)}
@@ -240,7 +244,7 @@ def _mismatch_weighted_grpo(weight_fn, flag_name, logp, old_logp, rollout_logp, 
 
 
 def icepop_grpo_loss(logp, old_logp, rollout_logp, advantages, mask, *, beta=2.0, eps_low=0.2,
-                     eps_high=0.28):
+                     eps_high=0.28, num_seqs=None):
   """GLM-5's reasoning-RL objective, GRPO with IcePop (GLM-5 §3; Ring-1T's IcePop), negated.
 
   Steps, per mask token:
@@ -258,6 +262,8 @@ def icepop_grpo_loss(logp, old_logp, rollout_logp, advantages, mask, *, beta=2.0
     mask: [b, t], > 0 on loss tokens.
     beta: IcePop band [1/beta, beta]; GLM-5 uses 2.
     eps_low, eps_high: the PPO clip range [1 - eps_low, 1 + eps_high]; GLM-5 uses 0.2, 0.28.
+    num_seqs: the sequence count of the whole batch when this is one part of it (gradient
+      accumulation): the parts' losses then add up to the whole batch's. None: this batch's.
 
   Returns:
     (scalar loss, metrics dict: ratio_*, clip_frac, icepop_masked_frac, mismatch_kl, tokens,
@@ -270,7 +276,7 @@ def icepop_grpo_loss(logp, old_logp, rollout_logp, advantages, mask, *, beta=2.0
     return jnp.where(keep, rho, 0.0), ~keep
 
   return _mismatch_weighted_grpo(pop, "icepop_masked_frac", logp, old_logp, rollout_logp,
-                                 advantages, mask, eps_low, eps_high)
+                                 advantages, mask, eps_low, eps_high, num_seqs)
 
 
 def tis_grpo_loss(logp, old_logp, rollout_logp, advantages, mask, *, cap=2.0, eps_low=0.2,
@@ -297,7 +303,8 @@ def tis_grpo_loss(logp, old_logp, rollout_logp, advantages, mask, *, cap=2.0, ep
 # REINFORCE with a stop-gradient IS weight (direct double-sided IS, CISPO)
 # --------------------------------------------------------------------------------------
 
-def double_sided_is_loss(logp, rollout_logp, advantages, mask, *, eps_low=0.2, eps_high=0.28):
+def double_sided_is_loss(logp, rollout_logp, advantages, mask, *, eps_low=0.2, eps_high=0.28,
+                         num_tokens=None):
   """GLM-5's asynchronous agentic-RL objective: direct double-sided IS (GLM-5 §3), negated.
 
   Steps, per mask token:
@@ -312,6 +319,8 @@ def double_sided_is_loss(logp, rollout_logp, advantages, mask, *, eps_low=0.2, e
     advantages: [b] or [b, t].
     mask: [b, t], > 0 on loss tokens (tokens outside the band stay in the denominator).
     eps_low, eps_high: the trust band (1 - eps_low, 1 + eps_high).
+    num_tokens: the mask-token count of the whole batch when this is one part of it
+      (gradient accumulation). None: this batch's.
 
   Returns:
     (scalar loss, metrics dict: ratio_*, is_masked_frac, mismatch_kl, tokens, seqs).
@@ -324,7 +333,7 @@ def double_sided_is_loss(logp, rollout_logp, advantages, mask, *, eps_low=0.2, e
   r = jnp.exp(log_r)
   keep = (r > 1.0 - eps_low) & (r < 1.0 + eps_high)
   f = jnp.where(keep, r, 0.0)
-  loss = -token_mean(f * a * logp, m)
+  loss = -token_mean(f * a * logp, m, num_tokens)
   metrics = {**_base_metrics(r, m), "is_masked_frac": token_mean((~keep).astype(m.dtype), m),
              "mismatch_kl": token_mean(_k3(-log_r), m)}
   return loss, jax.lax.stop_gradient(metrics)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from glm5_jax import nn as gnn
+from glm5_jax.nn import context_parallel as cp
 
 
 def _pad_seq(x, multiple):
@@ -67,12 +68,45 @@ def policy_forward(params, tokens_bt, positions_bt, segment_ids_bt, *, cfg,
 
   cfg: the ModelConfig the policy runs (post-training: `attention_type="sparse"`, as the
   engine). MTP is not run: it is not part of the policy.
+
+  Under a mesh with `context > 1` (nn/context_parallel.py) the model runs on the zig-zag
+  layout of each row, sharded over `context`; its final hidden states and top-k rows are put
+  back in natural order (one all-to-all of [b, t, d]) before the log-probs, whose entry t
+  reads position t - 1.
   """
-  out = gnn.GLM5(cfg).apply({"params": params}, tokens_bt, positions_bt, segment_ids_bt,
-                            return_logits=False, return_topk=return_topk, mtp=False)
-  logp, ent = token_logprobs(out.hidden, params["lm_head"]["kernel"], tokens_bt,
+  order = None
+  inputs = (tokens_bt, positions_bt, segment_ids_bt)
+  if cp.size() > 1:
+    order = jnp.asarray(cp.zigzag_order(tokens_bt.shape[1], cp.size()))
+    inputs = tuple(cp.permute(x, order) for x in inputs)
+  out = gnn.GLM5(cfg).apply({"params": params}, *inputs, return_logits=False,
+                            return_topk=return_topk, mtp=False, order=order)
+  hidden, topk = out.hidden, out.topk_indices
+  if order is not None:
+    hidden = cp.natural(hidden, order)
+    topk = None if topk is None else [None if x is None else cp.natural(x, order)
+                                      for x in topk]
+  logp, ent = token_logprobs(hidden, params["lm_head"]["kernel"], tokens_bt,
                              chunk_size=chunk_size)
-  return logp, ent, out.topk_indices
+  return logp, ent, topk
+
+
+def jitted_forward(cfg, *, chunk_size: int, mesh=None, param_sh=None, batch_sh=None):
+  """`policy_forward` jitted as the trainer runs it: (params, batch dict with tokens,
+  positions, segment_ids) -> (logp, entropy, top-k). Under `mesh` (more than one device)
+  with the parameters' and the batch's shardings, traced and run with the mesh set (the
+  MoE's expert axis, context parallelism)."""
+  def fwd(params, b):
+    return policy_forward(params, b["tokens"], b["positions"], b["segment_ids"], cfg=cfg,
+                          chunk_size=chunk_size, return_topk=True)
+  if mesh is None or mesh.size == 1:
+    return jax.jit(fwd)
+  inner = jax.jit(fwd, in_shardings=(param_sh, batch_sh))
+
+  def call(params, b):
+    with jax.set_mesh(mesh):
+      return inner(params, {k: b[k] for k in ("tokens", "positions", "segment_ids")})
+  return call
 
 
 def _keys(slots_k) -> set:

@@ -1,0 +1,131 @@
+"""Config checks as tables: each stage's fields and the rule each must satisfy.
+
+`validate(c)` runs `TABLE[c.stage]` before anything is built (no JAX call: jax.distributed
+may not be started yet). A row is (field, rule, what is expected); a failing row raises
+`ValueError("config.<field>=<value>: expected <what>")`. Rules read the field's value and the
+whole config (for rules that relate two fields). Checks that need a built object (a task,
+a context policy, the mesh) live with the code that builds it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+
+def _int(v) -> bool:
+  return isinstance(v, int) and not isinstance(v, bool)
+
+
+def at_least(n) -> Callable[[Any, Any], bool]:
+  return lambda v, c: _int(v) and v >= n
+
+
+def positive(v, c) -> bool:
+  del c
+  return _int(v) and v >= 1
+
+
+def _profile(v, c) -> bool:
+  del c
+  return not v or (len(v) == 2 and 0 <= v[0] < v[1])
+
+
+def _bucket(n: int) -> int:
+  """Power-of-two bucket of a length (>= 16), as rl/trajectory.py pads batches."""
+  b = 16
+  while b < n:
+    b *= 2
+  return b
+
+
+def _divides_rollouts(v, c) -> bool:
+  n = c.rl.group_size * c.rl.prompts_per_step
+  return _int(v) and v >= 2 and n % v == 0
+
+
+_COUNT = "an integer >= 1"
+
+COMMON = [
+    ("total_steps", positive, _COUNT),
+    ("log_every", positive, _COUNT),
+    ("keep_checkpoints", positive,
+     "an integer >= 1 (the newest checkpoints kept; the one a run resumes from is among them)"),
+    ("learning_rate", lambda v, c: v >= 0, ">= 0"),
+    ("seed", lambda v, c: _int(v) and 0 <= v < 2**31, "an integer in [0, 2**31)"),
+    ("num_devices", lambda v, c: _int(v) and v >= 0, "an int >= 0 (0 = every device)"),
+    ("microbatches", positive, _COUNT + " (gradient accumulation)"),
+    ("profile_steps", _profile, "() or (start, stop) with 0 <= start < stop (steps "
+     "start..stop-1 are traced), e.g. --config.profile_steps='(10, 13)'"),
+]
+
+LM = COMMON + [
+    ("checkpoint_every", positive, _COUNT),
+    ("eval_every", positive, _COUNT),
+    ("eval_batches", positive, _COUNT),
+    ("loss_chunk", positive, _COUNT),
+    ("param_init", lambda v, c: v in ("auto", "host", "jit"), "'auto', 'host' or 'jit'"),
+]
+
+# Both RL loops: a trained model to start from, groups, temperature 1, the trust band.
+RL = COMMON + [
+    ("init_from", lambda v, c: bool(v), "a trained model to start RL from (an SFT "
+     "workdir, a pretraining workdir or a Hugging Face directory)"),
+    ("rl.group_size", at_least(2), ">= 2 (group-relative advantages)"),
+    ("rl.temperature", lambda v, c: v == 1.0, "1.0; the losses' ratios compare raw-policy "
+     "log-probs, which are the sampling distribution's only at 1"),
+    ("rl.eps_low", lambda v, c: v >= 0.0, ">= 0 (the lower bound is 1 - eps_low)"),
+    ("rl.eps_high", lambda v, c: v >= 0.0, ">= 0 (the upper bound is 1 + eps_high)"),
+] + [(f"rl.{f}", positive, _COUNT) for f in (
+    "max_new_tokens", "max_len", "prefill_chunk", "steps_per_sync", "logprob_chunk",
+    "eval_every", "checkpoint_every", "eval_problems")]
+
+GRPO = RL + [
+    ("rl.icepop_beta", lambda v, c: v >= 1.0, ">= 1 (the IcePop band is [1/beta, beta])"),
+    ("rl.minibatches", _divides_rollouts, ">= 2 (so the clip acts) and a divisor of the "
+     "rollouts per step (group_size * prompts_per_step)"),
+] + [(f"rl.{f}", positive, _COUNT) for f in ("prompts_per_step",)]
+
+ASYNC = RL + [
+    ("rl.backend", lambda v, c: v in ("local", "ray"), "one of ('local', 'ray')"),
+    ("rl.snapshots", lambda v, c: v in ("sharded", "file"), "one of ('sharded', 'file')"),
+    ("rl.tau", lambda v, c: _int(v) and v >= 0,
+     ">= 0 (0 = every token of a consumed group from the current version)"),
+    ("rl.episodes_per_worker", lambda v, c: _int(v) and v >= c.rl.group_size,
+     ">= config.rl.group_size (a worker runs whole groups)"),
+    ("rl.warmup_lengths", lambda v, c: all(
+        _int(t) and 1 <= t <= _bucket(c.rl.max_len) for t in v),
+     "ints in [1, the bucket of config.rl.max_len] (padded lengths of trainer batches)"),
+    ("rl.gap_versions", lambda v, c: _int(v) and v >= 0,
+     "an int >= 0 (0 = tau + 1: every version a consumed token may carry)"),
+    ("rl.faults.env_crash_rate", lambda v, c: 0.0 <= v <= 1.0, "a probability"),
+    ("rl.faults.slow_env_tail", lambda v, c: 0.0 <= v <= 1.0, "a probability"),
+] + [(f"rl.{f}", positive, _COUNT) for f in (
+    "groups_per_update", "updates_per_publish", "workers", "rollout_devices", "engine_batch",
+    "max_turns", "tool_threads", "max_groups_in_flight")]
+
+TABLE = {"pretrain": LM, "midtrain": LM, "dsa_warmup": LM, "dsa_sparse": LM, "sft": LM,
+         "rl": GRPO, "rl_async": ASYNC}
+
+
+def _get(c, field: str):
+  node = c
+  for k in field.split("."):
+    node = node[k]
+  return node
+
+
+def validate(c, table=None) -> None:
+  """Raises ValueError naming the first field of `table` (default: the stage's) that breaks
+  its rule."""
+  if table is None:
+    if c.stage not in TABLE:
+      raise ValueError(f"config.stage={c.stage!r}: expected one of {tuple(TABLE)}")
+    table = TABLE[c.stage]
+  for field, ok, expected in table:
+    v = _get(c, field)
+    try:
+      good = ok(v, c)
+    except (TypeError, ValueError):
+      good = False
+    if not good:
+      raise ValueError(f"config.{field}={v!r}: expected {expected}")
