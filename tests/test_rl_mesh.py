@@ -32,8 +32,8 @@ params = gnn.init_params(cfg, 0)
 rng = np.random.default_rng(SEED)
 """
 
-_STEP = textwrap.dedent(_SETUP + """
-# One optimizer update of each RL row on a fixed batch of rollouts: 1 device vs meshes.
+_BATCH = _SETUP + """
+# A fixed batch of rollouts.
 b, t = 8, 32
 tokens = rng.integers(0, cfg.vocab_size, (b, t)).astype(np.int32)
 mask = (np.arange(t)[None] >= 12).astype(np.float32) * (rng.random((b, t)) < 0.9)
@@ -48,7 +48,36 @@ logp0 = np.asarray(jax.jit(lambda p: policy.policy_forward(
 noise = lambda s: (s * rng.standard_normal((b, t))).astype(np.float32)
 batch["rollout_logp"] = (logp0 + noise(0.05)) * mask
 batch["old_logp"] = (logp0 + noise(0.02)) * mask
+"""
 
+_GRAD = textwrap.dedent(_BATCH + """
+# The gradient of direct double-sided IS (the async trainer's loss): 1 device vs a mesh.
+def grads(mesh_axes, n_dev):
+  c = rl_async_config.get_config()
+  mesh = shd.make_mesh(mesh_axes, jax.devices()[:n_dev])
+  _, specs = gnn.abstract_params(cfg)
+  psh, bsh = shd.param_shardings(specs, mesh), shd.batch_sharding(mesh)
+  with jax.set_mesh(mesh):
+    fn = jax.jit(functools.partial(step_lib.grads_and_parts, cfg=cfg, stage="rl_async",
+                                   hp=step_lib.loss_hparams(c)), in_shardings=(psh, bsh))
+    g, parts, _ = fn(jax.tree.map(shd.from_host, params, psh),
+                     {k: shd.from_host(v, bsh) for k, v in batch.items()})
+  return jax.device_get(g), jax.device_get(parts)
+
+ref_g, ref = grads({"data": 1}, 1)
+g, got = grads({"fsdp": 2, "tensor": 2, "expert": 2}, 8)
+norm = lambda t: float(np.sqrt(sum(np.sum(np.square(x, dtype=np.float64)) for x in jax.tree.leaves(t))))
+assert norm(ref_g) > 0 and ref["tokens"] > 0
+assert abs(float(got["loss"]) - float(ref["loss"])) <= 1e-6, (got, ref)
+assert abs(norm(g) - norm(ref_g)) <= 1e-5 * norm(ref_g), (norm(g), norm(ref_g))
+for a, r in zip(jax.tree.leaves(g), jax.tree.leaves(ref_g)):
+  np.testing.assert_allclose(a, r, rtol=1e-4, atol=1e-7)
+print("grad norm", norm(g), norm(ref_g))
+print("OK")
+""")
+
+_STEP = textwrap.dedent(_BATCH + """
+# One optimizer update of each RL row: 1 device vs meshes.
 def update(stage, mesh_axes, n_dev):
   c = (rl_config if stage == "rl" else rl_async_config).get_config()
   c.optimizer = OPTIMIZER
@@ -90,16 +119,17 @@ def _step_script(stages, meshes, optimizer):
           .replace("MESHES", meshes).replace("OPTIMIZER", repr(optimizer)))
 
 
-def test_direct_is_update_sharded_equals_one_device():
-  """The default run's case: one RL row on one fsdp x tensor x expert mesh (the slow test
-  below runs every row and mesh). Muon Split, as the RL configs train: AdamW's update
-  divides by sqrt(v), so near-zero gradients turn a 1e-7 difference into 2e-5 of its norm."""
-  fake_devices.run_script(_step_script('("rl_async",)', '({"fsdp": 2, "tensor": 2, "expert": 2},)',
-                                       "muon_split"), devices=8)
+def test_direct_is_gradient_sharded_equals_one_device():
+  """The default run's case: the async trainer's loss and gradient under fsdp x tensor x
+  expert against one device; the slow test below runs the whole update (Muon Split) of
+  every RL row on two meshes."""
+  fake_devices.run_script(_GRAD.replace("SEED", str(seeding.seed())), devices=8)
 
 
 @pytest.mark.slow
 def test_rl_losses_update_sharded_equals_one_device():
+  """Muon Split, as the RL configs train (AdamW's update divides by sqrt(v): near-zero
+  gradients turn a 1e-7 difference into 2e-5 of the update's norm)."""
   fake_devices.run_script(_step_script(
       '("rl", "rl_async")',
       '({"fsdp": 2, "tensor": 2, "expert": 2}, {"data": 2, "context": 2, "tensor": 2})',
