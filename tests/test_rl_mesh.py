@@ -260,7 +260,10 @@ for a, b in zip(jax.tree.leaves(engine.params), jax.tree.leaves(v1)):
   assert set(a.sharding.device_set) == on_replica
   np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 assert store.last_push["push_bytes"] == sum(x.nbytes for x in jax.tree.leaves(v1))
+""")
+
 # The engine's log-probs after the push are the trainer's forward under v1 on its own mesh.
+_PUSH_LOGP = textwrap.dedent("""
 from glm5_jax import policy
 from glm5_jax.inference import SamplingParams
 prompt = rng.integers(0, cfg.vocab_size, 7).tolist()
@@ -286,4 +289,11 @@ print("OK")
 
 
 def test_a_push_reshards_leaf_by_leaf_within_one_leaf_of_memory():
-  fake_devices.run_script(_PUSH.replace("SEED", str(seeding.seed())), devices=4)
+  fake_devices.run_script(_PUSH.replace("SEED", str(seeding.seed())) + 'print("OK")\n',
+                          devices=4)
+
+
+@pytest.mark.slow
+def test_after_a_push_the_replica_samples_the_sharded_trainers_log_probs():
+  """Also in the slow async test above, for every token of every version."""
+  fake_devices.run_script(_PUSH.replace("SEED", str(seeding.seed())) + _PUSH_LOGP, devices=4)
