@@ -36,7 +36,7 @@ published v5p bandwidths (BANDWIDTH), for three placements: colocated (the engin
 trainer's arrays: a version bump, 0 bytes); disaggregated in one slice over ICI (every
 leaf resharded device to device, `Engine.update_params`); across slices over DCN (a sharded
 snapshot, `rl/snapshots.py`: trainer hosts write their replica-0 shards, rollout hosts read
-their slices; storage bandwidth not modelled).
+their slices, after the commit: write time + read time; storage bandwidth not modelled).
 
 `--compile=False` gives only the bytes computed from the shardings. libtpu admits one
 process at a time. The flags shared with experiments/aot_train_memory.py (`--topology`,
@@ -91,7 +91,8 @@ _MICROBATCHES = flags.DEFINE_integer("microbatches", 1, "--part=train: gradient 
 _CONTEXTS = flags.DEFINE_list("contexts", ["32768", "202752"],
                               "--part=decode: tokens per request (engine max_len)")
 _REQUESTS = flags.DEFINE_list("requests", ["64"], "--part=decode: concurrent requests "
-                              "(engine max_batch; a multiple of data x fsdp x expert)")
+                              "(engine max_batch; a multiple of data x fsdp x expert, and "
+                              "with expert > 1 of data x fsdp x context x expert)")
 _BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "--part=decode: rows per cache block")
 _STEPS_PER_SYNC = flags.DEFINE_integer("steps_per_sync", 8, "--part=decode: decode steps per call")
 _SERVE_DTYPE = flags.DEFINE_enum("serve_param_dtype", "bfloat16", ["float32", "bfloat16"],
@@ -326,6 +327,11 @@ def decode_row(topology, devices, mesh_sizes, context, requests, *, num_layers, 
   if requests % shards:
     raise ValueError(f"--requests entry {requests}: expected a multiple of the mesh's batch "
                      f"axes data x fsdp x expert = {shards} (the engine splits slots and pool)")
+  tokens = math.prod(mesh.shape[a] for a in shd.TOKEN_AXES)
+  if mesh.shape["expert"] > 1 and dispatch == "all_to_all" and requests % tokens:
+    raise ValueError(f"--requests entry {requests}: expected a multiple of data x fsdp x "
+                     f"context x expert = {tokens} (the MoE's all-to-all dispatch splits the "
+                     "N decode tokens over them, nn/moe_ep.py)")
   cfg = serve_config(num_layers, param_dtype, dispatch)
   if not 0 < context <= cfg.max_position_embeddings:
     raise ValueError(f"--contexts entry {context}: expected 1 .. max_position_embeddings = "
@@ -433,7 +439,10 @@ def push_row(topology, devices, trainer_sizes, rollout_sizes, *, num_layers, tra
               total_recv / (cut * ici_one_way_per_link()))
   write = host_bytes(pushed, "write")
   read = host_bytes(rollout, "read")
-  dcn_s = max(max(write.values()), max(read.values())) / dcn_per_host()
+  # A snapshot is committed whole before any reader opens it (rl/snapshots.py: COMMIT is
+  # written last), so the slowest writer host and the slowest reader host add up.
+  write_s = max(write.values()) / dcn_per_host()
+  read_s = max(read.values()) / dcn_per_host()
   return dict(
       kind="push", topology=topology, num_layers=num_layers,
       trainer_mesh={a: int(t_mesh.shape[a]) for a in shd.MESH_AXES}, trainer_chips=n_t,
@@ -450,7 +459,8 @@ def push_row(topology, devices, trainer_sizes, rollout_sizes, *, num_layers, tra
            "bytes_total": total_recv, "cut_links": cut, "seconds": ici_s},
       dcn={"write_bytes_per_host_max": max(write.values()), "trainer_hosts": len(write),
            "read_bytes_per_host_max": max(read.values()), "rollout_hosts": len(read),
-           "bytes_per_host_s": dcn_per_host(), "seconds": dcn_s},
+           "bytes_per_host_s": dcn_per_host(), "write_seconds": write_s,
+           "read_seconds": read_s, "seconds": write_s + read_s},
       bandwidth=BANDWIDTH, estimate=True)
 
 
@@ -510,14 +520,14 @@ def decode_table(rows) -> str:
 
 def push_table(rows) -> str:
   """One line per (trainer, rollout) pair: bytes and estimated seconds of one push."""
-  head = (f"{'trainer':<16}{'chips':>6}{'rollout':<16}{'chips':>7}{'model GiB':>10}"
+  head = (f"{'trainer':<16}{'chips':>6}  {'rollout':<16}{'chips':>7}{'model GiB':>10}"
           f"{'recv/chip':>10}{'send/chip':>10}{'ICI s':>7}{'write/host':>11}{'read/host':>10}"
           f"{'DCN s':>7}")
   lines = [head, "-" * len(head)]
   for r in rows:
     ici, dcn = r["ici"], r["dcn"]
     lines.append(
-        f"{_mesh_str(r['trainer_mesh']):<16}{r['trainer_chips']:>6}"
+        f"{_mesh_str(r['trainer_mesh']):<16}{r['trainer_chips']:>6}  "
         f"{_mesh_str(r['rollout_mesh']):<16}{r['rollout_chips']:>4}x{r['replicas']:<2}"
         f"{_gib(r['model_bytes']):>10}{_gib(ici['recv_bytes_per_chip']):>10}"
         f"{_gib(ici['send_bytes_per_chip']):>10}{ici['seconds']:>7.2f}"
@@ -527,8 +537,9 @@ def push_table(rows) -> str:
       "Estimates, not measurements. Colocated: 0 bytes, 0 s (a version bump). ICI: one slice, "
       "every leaf resharded device to device; max of per-chip receive, per-chip send and the "
       "slab cut, at 600 GB/s per chip and 100 GB/s per link one way. DCN: sharded snapshot, "
-      "max bytes a trainer host writes (replica 0) or a rollout host reads over 25 GB/s per "
-      f"host; storage not modelled. Bandwidths: {BANDWIDTH['source']}.")
+      "the most bytes a trainer host writes (replica 0), then (after the commit) the most a "
+      "rollout host reads, each at 25 GB/s per host; storage not modelled. Bandwidths: "
+      f"{BANDWIDTH['source']}.")
   return "\n".join(lines)
 
 

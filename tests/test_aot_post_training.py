@@ -44,6 +44,12 @@ try:
   raise AssertionError("no error")
 except ValueError as e:
   assert "--requests" in str(e) and "4" in str(e), e
+try:           # a context axis: the MoE dispatch splits the decode tokens over it too
+  apt.decode_row("cpu", devs, {"fsdp": 2, "context": 2, "expert": 2}, ctx, 4,
+                 param_dtype="bfloat16", rule_name="default", hbm=95.0, do_compile=False, **kw)
+  raise AssertionError("no error")
+except ValueError as e:
+  assert "context x expert = 8" in str(e), e
 
 p = apt.push_row("cpu", devs, {"fsdp": 2, "context": 2, "expert": 2}, {"expert": 4, "tensor": 2},
                  trainer_dtype="float32", trainer_rules="lora_over_fsdp", serve_dtype="bfloat16",
@@ -61,7 +67,9 @@ assert ici["cut_links"] == 32 and ici["bytes_total"] == 2 * 8 * p["rollout_param
 want = max(ici["recv_bytes_per_chip"] / 600e9, ici["bytes_total"] / 8 / 600e9,
            ici["bytes_total"] / (32 * 100e9))
 assert abs(ici["seconds"] - want) < 1e-12, (ici, want)
-assert abs(p["dcn"]["seconds"] - p["model_bytes"] / 25e9) < 1e-12
+# Write, commit, then read: one host writes and reads one copy each.
+assert abs(p["dcn"]["write_seconds"] - p["model_bytes"] / 25e9) < 1e-12, p["dcn"]
+assert abs(p["dcn"]["seconds"] - 2 * p["model_bytes"] / 25e9) < 1e-12, p["dcn"]
 print(apt.decode_table([d]))
 print(apt.push_table([p]))
 print("OK")
