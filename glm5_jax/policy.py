@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from glm5_jax import nn as gnn
+from glm5_jax import sharding as shd
 from glm5_jax.nn import context_parallel as cp
 
 
@@ -123,7 +124,7 @@ def topk_mismatches(trajs, topk_lbtk, rows=None) -> tuple[int, int]:
   (`record_topk=True`); topk_lbtk: the trainer's per-layer top-k, [L] of [b, t, K] (layers
   that reuse another layer's selection may be None); rows: batch row of each trajectory.
   """
-  layers = [np.asarray(x) if x is not None else None for x in topk_lbtk]
+  layers = shd.to_host(list(topk_lbtk))
   bad = total = 0
   for i, tr in enumerate(trajs):
     row = i if rows is None else rows[i]

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 import flax.linen as nn
 import jax
+from jax.experimental import multihost_utils
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -130,6 +131,18 @@ def from_host(x, sharding):
   process places only the slices its own devices hold (works on one or many processes)."""
   x = np.asarray(x)
   return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
+def to_host(tree):
+  """numpy values of a tree of arrays, each whole on every process: a global array whose
+  shards live on other processes' devices is all-gathered (a collective: every process calls
+  this in the same order, as every process runs the same program); anything else is read
+  from this process's devices."""
+  def one(x):
+    if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
+      return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return None if x is None else np.asarray(x)
+  return jax.tree.map(one, tree)
 
 
 def batch_axis_size(mesh: Mesh) -> int:

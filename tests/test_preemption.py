@@ -5,6 +5,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
@@ -28,14 +29,13 @@ def test_preempted_is_an_exit_zero_that_says_where_it_stopped():
   assert e.value.code == 0 and "step 7 in /w" in str(e.value)
 
 
-def _two_process_cmds(workdir, data_dir, *extra):
+def _two_process_cmds(cmd):
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
-  return [tt._cmd(workdir, data_dir, *extra, "--config.distributed.coordinator_address="
-                  f"127.0.0.1:{port}", "--config.distributed.num_processes=2",
-                  f"--config.distributed.process_id={i}",
-                  "--config.distributed.cpu_collectives=True") for i in range(2)]
+  return [cmd + [f"--config.distributed.coordinator_address=127.0.0.1:{port}",
+                 "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}",
+                 "--config.distributed.cpu_collectives=True"] for i in range(2)]
 
 
 def _logged(workdir, step) -> bool:
@@ -45,12 +45,13 @@ def _logged(workdir, step) -> bool:
     return False
 
 
-def _run_two(workdir, data_dir, *extra, sigterm_to=None, after_step=2):
-  """Runs a 2-process job; with `sigterm_to`, sends SIGTERM to that process alone once
-  step `after_step` is logged. Returns [(returncode, stderr)] per process."""
-  procs = [subprocess.Popen(cmd, cwd=tt.ROOT, env=tt._env(1), stdout=subprocess.DEVNULL,
+def _run_two(workdir, data_dir, *extra, sigterm_to=None, after_step=2, cmd=None):
+  """Runs a 2-process job (pretraining, or `cmd`); with `sigterm_to`, sends SIGTERM to that
+  process alone once step `after_step` is logged. Returns [(returncode, stderr)] per process."""
+  cmd = tt._cmd(workdir, data_dir, *extra) if cmd is None else cmd
+  procs = [subprocess.Popen(c, cwd=tt.ROOT, env=tt._env(1), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
-           for cmd in _two_process_cmds(workdir, data_dir, *extra)]
+           for c in _two_process_cmds(cmd)]
   if sigterm_to is not None:
     deadline = time.time() + 600
     while not _logged(workdir, after_step):
@@ -116,3 +117,41 @@ def test_sigterm_in_grpo_checkpoints_exits_zero_and_resumes_exactly(tmp_path, mo
   strip = lambda rows: [{k: v for k, v in m.items() if not k.endswith(("_s", "est_mfu"))}
                         for m in rows]
   assert strip(trl._metrics(split)) == strip(trl._metrics(full))
+
+
+def _grpo_cmd(workdir, init_from):
+  """Sharded GRPO on 2 processes of one CPU device each: the trainer's and the engine's mesh
+  is data=2 over both processes (colocated placement)."""
+  return [sys.executable, "-m", "experiments.rl", "--config=configs/rl.py:task=arith,runlocal=True",
+          f"--config.init_from={init_from}", f"--workdir={workdir}", "--config.total_steps=8",
+          "--config.tensorboard=False", "--config.optimizer=adamw", "--config.mesh.data=2",
+          "--config.rl.task_options.max_digits=2", "--config.rl.group_size=4",
+          "--config.rl.prompts_per_step=2", "--config.rl.minibatches=2",
+          "--config.rl.max_new_tokens=6", "--config.rl.max_len=48", "--config.rl.prefill_chunk=32",
+          "--config.rl.eval_problems=8", "--config.rl.eval_every=4",
+          "--config.rl.checkpoint_every=1000"]
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_of_two_grpo_processes_stops_both_at_one_step(tmp_path):
+  from glm5_jax import config as config_lib, nn as gnn  # pylint: disable=g-import-not-at-top
+  from glm5_jax.train import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
+  from tests import test_rl_grpo as trl  # pylint: disable=g-import-not-at-top
+  cfg = config_lib.get_preset("tiny")
+  init = ckpt_lib.save_params(str(tmp_path / "init"), cfg, gnn.init_params(cfg, 0))
+  run = lambda wd, **kw: _run_two(wd, None, cmd=_grpo_cmd(wd, init), **kw)
+  for rc, err in run(tmp_path / "straight"):
+    assert rc == 0, err[-3000:]
+  wd = tmp_path / "stopped"
+  res = run(wd, sigterm_to=1)
+  assert [rc for rc, _ in res] == [0, 0], res[0][1][-2000:] + res[1][1][-2000:]
+  saved = sorted(int(d) for d in os.listdir(wd / "checkpoints") if d.isdigit())
+  assert len(saved) == 1 and 2 <= saved[0] < 8, saved
+  assert max(tt._losses(wd)) == saved[0]                # both stopped at the saved step
+  for rc, err in run(wd):
+    assert rc == 0, err[-3000:]
+  strip = lambda rows: [{k: v for k, v in m.items() if not k.endswith(("_s", "est_mfu"))}
+                        for m in rows]
+  want, got = trl._metrics(tmp_path / "straight"), trl._metrics(wd)
+  assert max(m["step"] for m in want) == 8
+  assert strip(got) == strip(want)      # rollouts, rewards, losses, held-out accuracy: exact

@@ -815,7 +815,7 @@ class Engine:
       self._cache, self._h_last, out = self._prefill(
           self.params, self._cache, self._h_last, np.asarray(lanes, np.int32), table, tokens,
           start, n_valid, h_valid, st)
-    out = jax.device_get(out)
+    out = shd.to_host(out)
     for i, b in self._live(lanes):
       r = self._slots[b]
       r.cache_len += int(n_valid[i])
@@ -847,7 +847,7 @@ class Engine:
       with self._mesh_scope():
         self._cache, self._h_last, st, out = self._spec(
             self.params, self._cache, self._h_last, np.asarray(lanes, np.int32), table, st)
-      out, st = jax.device_get((out, st))
+      out, st = shd.to_host((out, st))
       for k in range(self.rounds_per_sync):
         for i, b in live:
           r, e = self._slots[b], int(out["n_emit"][k, i])
@@ -865,7 +865,7 @@ class Engine:
     else:
       with self._mesh_scope():
         self._cache, st, out = self._decode(self.params, self._cache, table, st)
-      out, st = jax.device_get((out, st))
+      out, st = shd.to_host((out, st))
       for s in range(self.steps_per_sync):
         for i, b in live:
           if out["emit"][s, i]:
@@ -894,7 +894,7 @@ class Engine:
     if r.session is not None:
       s = r.session
       s.tokens, s.blocks, s.cache_len, s.shard = list(r.tokens), r.blocks, r.cache_len, r.shard
-      s.h_last = (np.asarray(jax.device_get(self._h_last[r.slot])) if self.speculative
+      s.h_last = (shd.to_host(self._h_last[r.slot]) if self.speculative
                   else None)
       s.busy, s.last_used = False, next(self._clock)
     else:

@@ -40,11 +40,13 @@ its last checkpoint are replaced). SIGTERM checkpoints and stops (train/preempti
 
 from __future__ import annotations
 
+import functools
 import time
 
 from absl import logging
 import jax
 import jax.numpy as jnp
+from jax.experimental import multihost_utils
 import numpy as np
 
 from glm5_jax import numerics
@@ -82,7 +84,7 @@ def consistency_metrics(batch, old_logp_bt, topk, trajs) -> dict:
   the k3 mismatch KL (rollout || train) and the positions where some layer's top-k differs.
   old_logp_bt: the trainer's log-probs [b, t]; topk: its per-layer top-k [L] of [b, t, K]."""
   mask = batch.loss_mask > 0
-  x = (batch.rollout_logp - np.asarray(old_logp_bt, np.float64))[mask]
+  x = (batch.rollout_logp - shd.to_host(old_logp_bt).astype(np.float64))[mask]
   bad, total = policy.topk_mismatches(trajs, topk) if topk is not None else (0, 0)
   return {"logp_abs_diff_max": float(np.abs(x).max(initial=0.0)),
           "logp_abs_diff_mean": float(np.abs(x).mean()) if x.size else 0.0,
@@ -99,6 +101,20 @@ def device_batch(b: traj_lib.TrajectoryBatch, sharding=None) -> dict:
   if sharding is None:
     return {k: jnp.asarray(getattr(b, k)) for k in FIELDS}
   return {k: shd.from_host(getattr(b, k), sharding) for k in FIELDS}
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _take_rows(tree, idx, sharding):
+  return jax.tree.map(lambda v: jax.lax.with_sharding_constraint(v[idx], sharding), tree)
+
+
+def take_rows(tree, idx, sharding=None):
+  """Rows `idx` (host ints, the same on every process) of every array of `tree`, on the
+  devices: a global gather into `sharding` under a mesh (rows on other processes' devices
+  included), a plain gather on the default device without one."""
+  if sharding is None:
+    return {k: v[jnp.asarray(idx)] for k, v in tree.items()}
+  return _take_rows(tree, np.asarray(idx, np.int32), sharding)
 
 
 def padded_length(n: int, context: int) -> int:
@@ -198,6 +214,8 @@ class GRPO:
                                        version=step, enable_thinking=r.enable_thinking)
     rewards = np.asarray([tr.reward for tr in trajs], np.float32)
     valid = np.asarray([tr.error is None for tr in trajs])
+    if jax.process_count() > 1:    # process 0's rewards for all: a sandbox's time limit may
+      rewards, valid = multihost_utils.broadcast_one_to_all((rewards, valid))   # end otherwise
     shape = (r.prompts_per_step, r.group_size)
     adv = np.asarray(rl_losses.group_advantages(
         jnp.asarray(rewards.reshape(shape)), normalize_std=r.normalize_std,
@@ -217,10 +235,7 @@ class GRPO:
       m["opd_advantage_mean"] = float(rl_losses.token_mean(opd, dev["loss_mask"]))
     dev = {**dev, "old_logp": old_logp, "advantages": advantages}
     order = np.random.default_rng(seed_of(c.seed, step, 3)).permutation(len(trajs))
-    minibatches = [{k: v[jnp.asarray(idx)] for k, v in dev.items()}
-                   for idx in np.split(order, r.minibatches)]
-    if self.sharded:
-      minibatches = [jax.device_put(mb, self.batch_sh) for mb in minibatches]
+    minibatches = [take_rows(dev, idx, self.batch_sh) for idx in np.split(order, r.minibatches)]
     m.update(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
              train_accuracy=float(np.mean(rewards >= 1.0)), env_failures=float((~valid).sum()),
              entropy_old=float(rl_losses.token_mean(ent, dev["loss_mask"])),
