@@ -4,7 +4,7 @@ r"""Asynchronous agentic RL (GLM-5 §3): `--config=configs/rl_async.py:task=tool
       --config.init_from=WORKDIR_OF_TOOL_SFT --workdir=/tmp/rl_async
 
 Arguments: task=<registered task> (glm5_jax.rl.tasks; the tool tasks are multi-turn),
-backend=local|ray, runlocal=True shrinks the run for a laptop CPU. The paper's values where
+backend=local|ray|distributed, runlocal=True shrinks the run for a laptop CPU. The paper's values where
 it states them (§3: direct double-sided IS, eps 0.2 / 0.28, optimizer reset at each push);
 the rest are ours. `total_steps` counts optimizer updates.
 """
@@ -42,9 +42,12 @@ def get_config(arg=None):
 
   c.data = ml_collections.ConfigDict({"tokenizer": "bytes"})   # chat tokenizer
   c.rl = ml_collections.ConfigDict({
-      "backend": a.backend,               # "local": threads; "ray": Ray actors
+      "backend": a.backend,               # "local": threads; "ray": Ray actors;
+                                          # "distributed": the jax.distributed cluster's
+                                          # processes 1..workers (process 0 trains; every
+                                          # process runs the same command)
       "ray_cpus_per_worker": 1,           # Ray actors' num_cpus
-      # How backend=ray pushes weights (async_loop.SNAPSHOT_STORES): "sharded": each
+      # How backend=ray / distributed pushes weights (async_loop.SNAPSHOT_STORES): "sharded": each
       # process writes / reads only its own shards (rl/snapshots.py); "file": one file.
       "snapshots": "sharded",
       "task": a.task,

@@ -6,6 +6,16 @@ r"""Asynchronous agentic RL entry point (GLM-5 §3; glm5_jax/rl/async_loop.py).
 On CPU the rollout workers and the trainer get separate devices: set
 `--devices=N` (fake XLA:CPU devices, before JAX starts; default 1 + config.rl.workers).
 SIGTERM checkpoints and exits 0; the same command resumes.
+
+Trainer and rollout workers as processes of one jax.distributed cluster (process 0 trains,
+process i + 1 serves worker i; glm5_jax/rl/distributed_backend.py), here two local ones:
+
+  for I in 0 1; do python -m experiments.rl_async --devices=1 \
+      --config=configs/rl_async.py:task=tool_calc,backend=distributed,runlocal=True \
+      --config.rl.workers=1 --config.init_from=/tmp/tool_sft --workdir=/tmp/rl_dist \
+      --config.distributed.coordinator_address=127.0.0.1:12355 \
+      --config.distributed.num_processes=2 --config.distributed.process_id=$I \
+      --config.distributed.cpu_collectives=True & done; wait
 """
 
 import sys

@@ -120,8 +120,9 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def or_one_device(mesh: Mesh, sharding):
   """`sharding`, or the mesh's device itself when the mesh has one device: a program over one
   device then compiles as a plain single-device program (no SPMD partitioning), exactly as
-  an unsharded jit or an engine on that device does."""
-  if mesh.size == 1:
+  an unsharded jit or an engine on that device does. Not under jax.distributed: orbax
+  saves no single-device array there (a trainer alone in its cluster keeps a 1-device mesh)."""
+  if mesh.size == 1 and jax.process_count() == 1:
     return jax.sharding.SingleDeviceSharding(mesh.devices.flat[0])
   return sharding
 

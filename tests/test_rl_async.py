@@ -10,6 +10,9 @@ versions advance, and with faults injected a killed worker is found, restarted a
 import os
 import re
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -24,6 +27,8 @@ from glm5_jax.rl import ledger as ledger_lib
 from glm5_jax.train import checkpoint as ckpt_lib
 from glm5_jax.train import metrics as metrics_lib
 from glm5_jax.train import preemption
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +183,12 @@ def test_bad_config_names_the_field(field, value, message):
     async_loop.validate(c)
 
 
+# One group per update from one worker: every update pushes, and the worker swaps it in.
+ONE_GROUP_PUSHES = dict(snapshots="sharded", workers=1, group_size=2, groups_per_update=1,
+                        tau=0, episodes_per_worker=2, engine_batch=2, max_groups_in_flight=1,
+                        max_new_tokens=6, max_len=48, max_turns=1, heartbeat_timeout_s=120.0)
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")   # Ray's exec'd subprocesses
 def test_ray_pushes_of_a_1gib_model_stay_within_each_processs_share(tmp_path):
@@ -187,24 +198,34 @@ def test_ray_pushes_of_a_1gib_model_stay_within_each_processs_share(tmp_path):
   plus 10%, the worker reads exactly its share, and the ledger audits clean."""
   pytest.importorskip("ray")
   import ray  # pylint: disable=g-import-not-at-top
-  cfg = config_lib.get_preset("tiny", n_routed_experts=16, moe_intermediate_size=32768)
-  shapes, _ = gnn.abstract_params(cfg)
-  sizes = [x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)]
-  tree, largest = sum(sizes), max(sizes)
-  assert tree >= 2**30, tree
-  init = str(tmp_path / "init")
-  ckpt_lib.save_params(init, cfg, gnn.init_params(cfg, jax.random.PRNGKey(0)))
+  init, tree, largest = _big_model(tmp_path)
   ray.init(num_cpus=2, include_dashboard=False)
   try:
-    c = small_config(init, backend="ray", snapshots="sharded", workers=1, group_size=2,
-                     groups_per_update=1, tau=0, episodes_per_worker=2, engine_batch=2,
-                     max_groups_in_flight=1, max_new_tokens=6, max_len=48, max_turns=1,
-                     heartbeat_timeout_s=120.0)
+    c = small_config(init, backend="ray", **ONE_GROUP_PUSHES)
     c.total_steps = 2
     workdir = str(tmp_path / "run")
     async_loop.run(c, workdir)
   finally:
     ray.shutdown()
+  _check_pushes(workdir, tree, largest)
+
+
+def _big_model(tmp_path):
+  """A 1.3 GiB model (16 wide experts per MoE layer), saved: (init dir, tree bytes, largest
+  leaf bytes)."""
+  cfg = config_lib.get_preset("tiny", n_routed_experts=16, moe_intermediate_size=32768)
+  shapes, _ = gnn.abstract_params(cfg)
+  sizes = [x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)]
+  assert sum(sizes) >= 2**30, sum(sizes)
+  init = str(tmp_path / "init")
+  ckpt_lib.save_params(init, cfg, gnn.init_params(cfg, jax.random.PRNGKey(0)))
+  return init, sum(sizes), max(sizes)
+
+
+def _check_pushes(workdir, tree, largest):
+  """The ledger audits clean; each process's peak RSS growth over a push is at most its
+  share of the tree (each holds a whole replica) plus the largest leaf plus 10%, and the
+  worker read exactly its share."""
   assert not ledger_lib.audit(os.path.join(workdir, "rollouts.jsonl"))
   rows = [r for r in metrics_lib.read_rows(workdir) if "loss" in r]
   bound = 1.1 * (tree + largest)
@@ -221,3 +242,47 @@ def test_ray_pushes_of_a_1gib_model_stay_within_each_processs_share(tmp_path):
     assert r["pull_bytes_max"] == tree, r
     # The new version is read while the engine still serves the old one: a tree of growth.
     assert tree / 2 <= r["pull_rss_growth_bytes_max"] <= bound, r
+
+
+DISTRIBUTED = "task=tool_calc,backend=distributed,runlocal=True"
+
+
+def _distributed_cmds(init, workdir, total_steps, **rl):
+  """The two processes of a jax.distributed run (process 0 trains, process 1 serves worker
+  0), each with one CPU device, with `small_config`'s settings plus `rl` as flags."""
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+  c, default = small_config(init, backend="distributed", **rl), rl_async.get_config(DISTRIBUTED)
+  flags = [f"--config.rl.{k}={v}" for k, v in c.rl.items()
+           if isinstance(v, (int, float)) and v != default.rl[k]]
+  base = [sys.executable, "-m", "experiments.rl_async", "--devices=1",
+          f"--config=configs/rl_async.py:{DISTRIBUTED}",
+          f"--config.init_from={init}", f"--workdir={workdir}", "--config.tensorboard=False",
+          f"--config.total_steps={total_steps}", f"--config.optimizer={c.optimizer}", *flags,
+          f"--config.distributed.coordinator_address=127.0.0.1:{port}",
+          "--config.distributed.num_processes=2", "--config.distributed.cpu_collectives=True"]
+  return [base + [f"--config.distributed.process_id={i}"] for i in range(2)]
+
+
+def _run_processes(cmds, timeout=900):
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  env.pop("XLA_FLAGS", None)
+  procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True) for cmd in cmds]
+  errs = [p.communicate(timeout=timeout)[1] for p in procs]
+  for p, err in zip(procs, errs):
+    assert p.returncode == 0, err[-4000:]
+
+
+@pytest.mark.slow
+def test_distributed_pushes_of_a_1gib_model_stay_within_each_processs_share(tmp_path):
+  """Trainer (process 0) and rollout worker (process 1) of one jax.distributed cluster
+  exchange sharded snapshots of a 1.3 GiB model (WORKDIR/weights): the bounds of the Ray
+  test above, and the trainer's checkpoint written by process 0 alone."""
+  init, tree, largest = _big_model(tmp_path)
+  workdir = str(tmp_path / "run")
+  _run_processes(_distributed_cmds(init, workdir, 2, **ONE_GROUP_PUSHES))
+  assert os.path.isdir(os.path.join(workdir, "checkpoints", "2"))
+  assert not os.path.exists(os.path.join(workdir, "checkpoints", "1"))
+  _check_pushes(workdir, tree, largest)

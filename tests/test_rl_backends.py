@@ -1,9 +1,11 @@
-"""Rollout-worker backends (glm5_jax/rl/local_backend.py, ray_backend.py): one test body, two
-backends. Two toy workers serve requests under the weights the test publishes; one is killed
+"""Rollout-worker backends (glm5_jax/rl/local_backend.py, ray_backend.py,
+distributed_backend.py): one test body, three backends. Two toy workers serve requests under the weights the test publishes; one is killed
 mid-run, restarted at a new epoch, and catches up to the latest version."""
 
 import os
 import queue
+import socket
+import subprocess
 import sys
 import time
 
@@ -14,6 +16,7 @@ import pytest
 
 from glm5_jax.rl import local_backend
 from glm5_jax.rl import weights as weights_lib
+from tests import seeding
 
 
 class ToyWorker:
@@ -107,7 +110,11 @@ def ray_cluster(request):
 @pytest.mark.parametrize("name", ["local", pytest.param("ray", marks=pytest.mark.slow)])
 def test_killed_worker_restarts_and_catches_up(name, ray_cluster, tmp_path, rng):
   del ray_cluster
-  backend = _make_backend(name, tmp_path)
+  exercise(name, _make_backend(name, tmp_path), rng)
+
+
+def exercise(name, backend, rng):
+  """The shared body: start two workers, kill one mid-run, publish, restart, catch up."""
   out = _Collector(backend.outbox)
   published = {}
 
@@ -153,10 +160,13 @@ def test_killed_worker_restarts_and_catches_up(name, ray_cluster, tmp_path, rng)
     assert all(it["epoch"] == 0 for it in late) and not (name == "ray" and late), late
     heartbeats = {(it["worker_id"], it["epoch"]) for it in out.items if it["kind"] == "heartbeat"}
     assert heartbeats == {(0, 0), (1, 0), (0, 1)}
+    pids = {(it["worker_id"], it["epoch"]): it["pid"] for it in out.items
+            if it["kind"] == "result"}
     if name == "ray":                                    # each worker its own process
-      pids = {(it["worker_id"], it["epoch"]): it["pid"] for it in out.items
-              if it["kind"] == "result"}
       assert len(set(pids.values()) | {os.getpid()}) == 4, pids
+    if name == "distributed":                            # worker i in process i + 1, for good
+      assert pids[(0, 0)] == pids[(0, 1)] == backend.pid(0) != os.getpid(), pids
+      assert len({pids[(0, 0)], pids[(1, 0)], os.getpid()}) == 3, pids
   finally:
     backend.shutdown()
   assert not backend.alive(0) and not backend.alive(1)
@@ -197,3 +207,44 @@ def test_ray_workers_get_cpu_jax_without_the_trainers_device_split(monkeypatch):
   env = ray_backend.worker_env({"OMP_NUM_THREADS": "2"})
   assert env["JAX_PLATFORMS"] == "cpu" and env["OMP_NUM_THREADS"] == "2"
   assert env["XLA_FLAGS"] == "--xla_foo=1 --xla_cpu_multi_thread_eigen=false"
+
+
+def test_distributed_workers_are_processes_of_the_cluster(tmp_path, request):
+  """The same body with backend="distributed": this test's process starts a 3-process
+  jax.distributed cluster (this file as its main: process 0 runs the body, processes 1 and 2
+  serve the workers) and waits for all three to exit 0."""
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  seed = seeding.seed_of(request.node.nodeid)
+  procs = [subprocess.Popen([sys.executable, "-m", "tests.test_rl_backends", str(port), str(i),
+                             str(tmp_path / "w"), str(seed)], cwd=root, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for i in range(3)]
+  outs = [p.communicate(timeout=300)[0] for p in procs]
+  for i, (p, out) in enumerate(zip(procs, outs)):
+    assert p.returncode == 0, f"process {i}:\n{out[-4000:]}"
+  assert "distributed: body passed" in outs[0], outs[0][-2000:]
+
+
+def _distributed_main(port, process_id, weights_dir, seed):
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=3, process_id=int(process_id))
+  from glm5_jax.rl import distributed_backend  # pylint: disable=g-import-not-at-top
+  if jax.process_index() > 0:
+    distributed_backend.serve()
+    return
+  try:
+    exercise("distributed", distributed_backend.DistributedBackend(
+        ToyWorker, weights_lib.FileWeights(weights_dir, keep=2)),
+        np.random.default_rng(int(seed)))
+    print("distributed: body passed")
+  finally:
+    distributed_backend.finish()
+
+
+if __name__ == "__main__":
+  _distributed_main(*sys.argv[1:])

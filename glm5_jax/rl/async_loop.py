@@ -58,6 +58,7 @@ import time
 from absl import logging
 import jax
 import jax.numpy as jnp
+from jax.experimental import multihost_utils
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -82,7 +83,7 @@ from glm5_jax.rl import weights as weights_lib
 from glm5_jax.train import checkpoint as ckpt_lib
 from glm5_jax.train import loop
 
-BACKENDS = ("local", "ray")
+BACKENDS = ("local", "ray", "distributed")
 
 
 def validate(c) -> None:
@@ -212,13 +213,17 @@ SNAPSHOT_STORES = {"sharded": snapshots_lib.ShardedWeights, "file": weights_lib.
 
 def make_backend(c, workdir):
   """(backend, weights store) for config.rl.backend: threads of this process pulling device
-  arrays (`DeviceWeights`), or Ray actors reading snapshots (config.rl.snapshots)."""
+  arrays (`DeviceWeights`), or Ray actors or the jax.distributed cluster's other processes
+  reading snapshots (config.rl.snapshots)."""
   if c.rl.backend == "local":
     from glm5_jax.rl import local_backend  # pylint: disable=g-import-not-at-top
     store = weights_lib.DeviceWeights()
     return local_backend.LocalBackend(worker_lib.RolloutWorker, store), store
-  from glm5_jax.rl import ray_backend  # pylint: disable=g-import-not-at-top
   store = SNAPSHOT_STORES[c.rl.snapshots](os.path.join(workdir, "weights"), keep=c.rl.tau + 2)
+  if c.rl.backend == "distributed":
+    from glm5_jax.rl import distributed_backend  # pylint: disable=g-import-not-at-top
+    return distributed_backend.DistributedBackend(worker_lib.RolloutWorker, store), store
+  from glm5_jax.rl import ray_backend  # pylint: disable=g-import-not-at-top
   env = None
   if c.rl.rollout_devices > 1:            # the actor's own fake CPU devices
     env = {"XLA_FLAGS": ray_backend.worker_env()["XLA_FLAGS"] +
@@ -246,6 +251,7 @@ class AsyncTrainer:
     self.c, self.r, self.workdir, self.clock = c, c.rl, workdir, clock
     r = c.rl
     self.checkpoint_every, self.eval_every = r.checkpoint_every, r.eval_every
+    self.solo = r.backend == "distributed"      # process 0 trains, the others serve rollouts
     self.rd = r.to_dict()
     self.task = tasks_lib.from_config(r)
     self.tok = chat.get_chat_tokenizer(c.data.tokenizer)
@@ -327,6 +333,13 @@ class AsyncTrainer:
     and returns one batch per length for the runner to compile its update on."""
     r = self.r
     self.backend, self.store = make_backend(self.c, self.workdir)
+    if hasattr(self.store, "discard_from"):     # on disk: a killed run's later versions
+      gone = self.store.discard_from(self.ctl.version) if jax.process_index() == 0 else []
+      if jax.process_count() > 1 and not self.solo:   # before any trainer process publishes
+        multihost_utils.sync_global_devices("glm5_rl_discard_weights")
+      if gone:
+        logging.info("[rl_async] removed weight versions %s of an earlier run from %s",
+                     gone, self.store.directory)
     self._publish(state.params)
     self.backend.start([self._spec(wid) for wid in range(r.workers)])
     for wid in range(r.workers):
@@ -639,9 +652,24 @@ class AsyncTrainer:
     return taken
 
 
-def run(c, workdir: str, *, clock=time.monotonic) -> dict:
-  """Runs asynchronous agentic RL until `c.total_steps` updates (resuming from `workdir`)."""
+def run(c, workdir: str, *, clock=time.monotonic) -> dict | None:
+  """Runs asynchronous agentic RL until `c.total_steps` updates (resuming from `workdir`).
+  With backend "distributed", process 0 trains and returns the metrics; every other process
+  serves a rollout worker until the trainer ends and returns None."""
   validate(c)
+  if c.rl.backend == "distributed":
+    loop.maybe_initialize_distributed(c)
+    if jax.process_count() < 2:
+      raise ValueError("config.rl.backend='distributed' runs the trainer in process 0 and "
+                       "worker i in process i + 1: set config.distributed.num_processes="
+                       f"{c.rl.workers + 1} (and coordinator_address, process_id)")
+    from glm5_jax.rl import distributed_backend  # pylint: disable=g-import-not-at-top
+    if jax.process_index() > 0:
+      return distributed_backend.serve()
+    try:
+      return loop.run(c, workdir, AsyncTrainer(c, workdir, clock=clock))
+    finally:
+      distributed_backend.finish()
   return loop.run(c, workdir, AsyncTrainer(c, workdir, clock=clock))
 
 

@@ -135,6 +135,7 @@ class GRPO:
   name = "rl"
   eval_prefix, eval_key, eval_at_start = "heldout_", "accuracy", True
   blocking = True
+  solo = False                     # colocated: every process trains and samples
   items: dict = {}
   tokens_per_step = seq_len = None
   log_fields = (("reward", "reward_mean", ".3f"), ("|dlogp| max", "logp_abs_diff_max", ".2e"),

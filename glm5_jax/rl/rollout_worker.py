@@ -137,7 +137,7 @@ def make_episode(task, problem, tok, r: dict, *, rollout_id: str, group_id: str,
 
 class RolloutWorker:
   """See the module docstring. `spec`: picklable {"worker_id", "epoch", "devices" (indices
-  into jax.devices(), or None: the first `rl.rollout_devices` of this process's runtime),
+  into jax.devices(), or None: the first `rl.rollout_devices` of this process's own devices),
   "mesh" (the replica's mesh axes), "rules" (logical-axis rules or None), "model_config"
   (dict), "rl" (the config's `rl` as a dict), "tokenizer", "seed"}.
 
@@ -173,7 +173,7 @@ class RolloutWorker:
     cfg = config_lib.ModelConfig(**spec["model_config"])
     task = tasks_lib.from_config(r)
     tok = chat.get_chat_tokenizer(spec["tokenizer"])
-    devices = (jax.devices()[:r["rollout_devices"]] if spec["devices"] is None
+    devices = (jax.local_devices()[:r["rollout_devices"]] if spec["devices"] is None
                else [jax.devices()[i] for i in spec["devices"]])
     mesh = replica_mesh(devices, spec["mesh"])
     # Each pull reads straight into the serving shardings (a sharded snapshot: only the

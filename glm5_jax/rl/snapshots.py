@@ -339,6 +339,24 @@ class ShardedWeights:
     self._wait(lambda: os.path.exists(os.path.join(self.path(version), COMMIT)), partial,
                lambda: f"the primary writer did not commit version {version} ({partial})")
 
+  def discard_from(self, version: int) -> list[int]:
+    """Removes the committed versions `version` and later and every partial one (a resumed
+    run's trainer publishes from its checkpoint's version again; what a killed run pushed
+    after it is not that run's weights). Call it from the writers' primary process before
+    any reader starts. Returns the versions removed."""
+    gone = [v for v in self.versions() if v >= version]
+    doomed = [self.path(v) for v in gone]
+    doomed += [os.path.join(self.directory, n) for n in os.listdir(self.directory)
+               if _PARTIAL.match(n)]
+    for path in doomed:
+      hidden = os.path.join(self.directory, f".pruned.{uuid.uuid4().hex}")
+      try:
+        os.rename(path, hidden)                 # out of readers' sight first
+      except FileNotFoundError:
+        continue
+      shutil.rmtree(hidden, ignore_errors=True)
+    return gone
+
   def _prune(self, version: int) -> None:
     """All but the newest `keep` versions, and abandoned partial directories, go."""
     doomed = [self.path(v) for v in self.versions()[:-self.keep]]

@@ -305,6 +305,18 @@ class FileWeights:
         pass                                   # another process pruned it first
     self.last_push = {"push_bytes": float(offset), "push_s": time.perf_counter() - t0}
 
+  def discard_from(self, version: int) -> list[int]:
+    """Removes the snapshots of `version` and later (a resumed run's trainer publishes
+    from its checkpoint's version again; what a killed run pushed after it is not that run's
+    weights). Returns the versions removed."""
+    gone = [v for v in self.versions() if v >= version]
+    for v in gone:
+      try:
+        os.remove(self.path(v))
+      except FileNotFoundError:
+        pass
+    return gone
+
   def get(self, version: int, template=None):
     """The params of `version` read from its file, checksum verified."""
     return read_snapshot(self.path(version), template)[1]

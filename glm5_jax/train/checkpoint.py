@@ -69,16 +69,33 @@ def find_model_config(path: str) -> tuple[str, "ModelConfig"]:  # noqa: F821
     return workdir, ModelConfig(**json.load(f))
 
 
+def multiprocessing_options(solo: bool = False) -> ocp.options.MultiprocessingOptions:
+  """Orbax's processes: all of them, or with `solo` this process alone (its arrays live on
+  its own devices; its cluster's other processes do other work)."""
+  if not solo or jax.process_count() == 1:
+    return ocp.options.MultiprocessingOptions()
+  me = jax.process_index()
+  return ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me},
+                                            barrier_sync_key_prefix=f"solo{me}")
+
+
 def manager(workdir: str, *, keep: int, async_save: bool = True,
-            items: dict | None = None) -> ocp.CheckpointManager:
+            items: dict | None = None, solo: bool = False) -> ocp.CheckpointManager:
   """The manager of WORKDIR/checkpoints/<step>/{state, ...}: the TrainState plus `items`
-  ({name: orbax handler}; default the grain iterator as "data")."""
+  ({name: orbax handler}; default the grain iterator as "data"). `solo`: this process alone
+  saves and restores (its state lives on its own devices; the cluster's other processes
+  serve rollouts), so orbax's barriers involve no other process."""
   check_keep(keep)
-  opts = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                      enable_async_checkpointing=async_save)
+  mp = multiprocessing_options(solo)
+  root = os.path.join(os.path.abspath(workdir), "checkpoints")
+  if mp.active_processes is not None:
+    os.makedirs(root, exist_ok=True)          # orbax creates it only with every process
+  opts = ocp.CheckpointManagerOptions(max_to_keep=keep, create=mp.active_processes is None,
+                                      enable_async_checkpointing=async_save,
+                                      multiprocessing_options=mp)
   items = {"data": grain.checkpoint.CheckpointHandler()} if items is None else items
   return ocp.CheckpointManager(
-      os.path.join(os.path.abspath(workdir), "checkpoints"), options=opts,
+      root, options=opts,
       item_handlers={"state": ocp.StandardCheckpointHandler(), **items})
 
 
@@ -86,6 +103,11 @@ def save(mngr: ocp.CheckpointManager, step: int, state, data_iter=None, *, force
          items: dict | None = None) -> bool:
   """Saves the state, the grain iterator (unless None) and `items` ({name: orbax save
   args})."""
+  if mngr._options.multiprocessing_options.active_processes is not None:   # pylint: disable=protected-access
+    # A solo manager (`manager`): orbax writes no array of one process's devices while the
+    # cluster has others (its check against pmap's host-local arrays); its host values
+    # instead, read back into the shardings of the restore's target.
+    state = jax.device_get(state)
   args = {"state": ocp.args.StandardSave(state), **(items or {})}
   if data_iter is not None:
     args["data"] = grain.checkpoint.CheckpointSave(data_iter)
@@ -203,14 +225,15 @@ def _tree_paths(tree) -> set:
 
 
 def restore_latest(mngr: ocp.CheckpointManager, abstract_state, data_iter=None, *,
-                   what: str = "this run's config", items: dict | None = None):
+                   what: str = "this run's config", items: dict | None = None,
+                   solo: bool = False):
   """(step, state) of the newest readable checkpoint, or (None, None) without one.
 
   A corrupt step (a truncated or missing file) is reported in one log line naming its
   file, moved to WORKDIR/corrupt_checkpoints/<step> (process 0) and the previous one is
   used. A checkpoint whose state has another tree (another stage's frozen mask, another
   optimizer) is a ValueError naming `what`, not corruption. With `items` ({name: orbax
-  restore args}), the state is a dict {"state": ..., name: ...}.
+  restore args}), the state is a dict {"state": ..., name: ...}. `solo`: as in `manager`.
   """
   for step in sorted(mngr.all_steps(), reverse=True):
     step_dir = os.path.join(str(mngr.directory), str(step))
@@ -227,19 +250,19 @@ def restore_latest(mngr: ocp.CheckpointManager, abstract_state, data_iter=None, 
       return step, (out if items is not None else out["state"])
     except CorruptCheckpoint as e:
       logging.error("checkpoint step %d is unreadable, using the previous one: %s", step, e)
-      _move_aside(mngr, step)
+      _move_aside(mngr, step, solo)
   return None, None
 
 
-def _move_aside(mngr, step: int) -> None:
+def _move_aside(mngr, step: int, solo: bool) -> None:
   src = os.path.join(str(mngr.directory), str(step))
-  if jax.process_index() == 0 and os.path.exists(src):
+  if (solo or jax.process_index() == 0) and os.path.exists(src):
     dst = os.path.join(os.path.dirname(str(mngr.directory)), "corrupt_checkpoints", str(step))
     os.makedirs(os.path.dirname(dst), exist_ok=True)
     if os.path.exists(dst):
       shutil.rmtree(dst)
     os.replace(src, dst)
-  if jax.process_count() > 1:
+  if jax.process_count() > 1 and not solo:
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
     multihost_utils.sync_global_devices(f"glm5_corrupt_checkpoint_{step}")
   mngr.reload()
@@ -261,16 +284,19 @@ def latest_step_dir(workdir_or_ckpt: str, what: str) -> str:
   return path
 
 
-def restore_params(workdir_or_ckpt: str, abstract_params, what: str = "config.init_from"):
+def restore_params(workdir_or_ckpt: str, abstract_params, what: str = "config.init_from",
+                   solo: bool = False):
   """Params only, from a run's latest checkpoint (or a `.../checkpoints/<step>` dir), read
   straight into the shardings of `abstract_params` (a partial restore: the other run's
-  optimizer state, whatever its structure, is never read)."""
+  optimizer state, whatever its structure, is never read). `solo`: as in `manager`."""
   step_dir = latest_step_dir(workdir_or_ckpt, what)
   state_dir = os.path.join(step_dir, "state")
 
   item = {"params": abstract_params}
   try:
-    with ocp.PyTreeCheckpointer() as ckptr:
+    mp = multiprocessing_options(solo)
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(multiprocessing_options=mp),
+                          multiprocessing_options=mp) as ckptr:
       # The handler's metadata raises on an unreadable tree (the checkpointer's logs two
       # warnings and returns None).
       meta = read_step(step_dir, lambda: ocp.PyTreeCheckpointHandler().metadata(
@@ -372,12 +398,18 @@ def model_config_of(path: str, what: str = "checkpoint"):
 
 
 def load_params(path: str, cfg, shardings, *, mesh=None, rules=None,
-                what: str = "config.init_from"):
+                what: str = "config.init_from", solo: bool = False):
   """The parameters of a Hugging Face directory or a workdir's latest (or given) step, read
   straight into `shardings` (a tree of NamedShardings for `cfg`'s parameters): each process
-  reads only the slices its devices hold. `cfg` must be the model `path` holds."""
+  reads only the slices its devices hold. `cfg` must be the model `path` holds. `solo`:
+  this process alone reads (as in `manager`; a training workdir only)."""
   from glm5_jax import nn as gnn  # pylint: disable=g-import-not-at-top
   if _is_hf_dir(path):
+    if solo and jax.process_count() > 1:
+      raise ValueError(f"{what}={path!r}: a Hugging Face directory is read by every process "
+                       "of the cluster; a trainer alone in its cluster (config.rl.backend="
+                       "'distributed') starts from a training workdir: convert it first "
+                       "(python -m experiments.convert_checkpoint)")
     from glm5_jax import hf  # pylint: disable=g-import-not-at-top
     got, params = hf.load_pretrained(path, mesh=mesh, rules=rules)
     diff = model_diff(model_fields(got), model_fields(cfg))
@@ -388,7 +420,7 @@ def load_params(path: str, cfg, shardings, *, mesh=None, rules=None,
   target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         shapes, shardings)
   try:
-    return restore_params(path, target, what=what)
+    return restore_params(path, target, what=what, solo=solo)
   except FileNotFoundError as e:
     raise ValueError(str(e)) from None
 

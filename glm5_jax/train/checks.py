@@ -86,7 +86,8 @@ GRPO = RL + [
 ] + [(f"rl.{f}", positive, _COUNT) for f in ("prompts_per_step",)]
 
 ASYNC = RL + [
-    ("rl.backend", lambda v, c: v in ("local", "ray"), "one of ('local', 'ray')"),
+    ("rl.backend", lambda v, c: v in ("local", "ray", "distributed"),
+     "one of ('local', 'ray', 'distributed')"),
     ("rl.snapshots", lambda v, c: v in ("sharded", "file"), "one of ('sharded', 'file')"),
     ("rl.tau", lambda v, c: _int(v) and v >= 0,
      ">= 0 (0 = every token of a consumed group from the current version)"),

@@ -114,6 +114,7 @@ class LMSource:
 
   eval_prefix, eval_key, eval_at_start = "eval_", "loss", False
   blocking = False                       # the loop need not wait for each step's result
+  solo = False                           # every process of the run trains
   log_fields = metrics_lib.LM_LOG
 
   def __init__(self, c):

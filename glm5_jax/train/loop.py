@@ -67,6 +67,8 @@ class Source(Protocol):
   log_fields: tuple         # (label, metric, format) of the log line (metrics.LM_LOG)
   tokens_per_step: int | None   # tokens one step trains on (None: the step's "batch_tokens")
   seq_len: int | None           # row length for the FLOPs (None: the step's "batch_length")
+  solo: bool                # this process trains alone, on its own devices (the cluster's
+                            # other processes serve rollouts): no collective involves them
 
   def model_config(self) -> Any: ...
   def setup(self, cfg, mesh, param_sh) -> None: ...
@@ -97,16 +99,20 @@ def maybe_initialize_distributed(c) -> None:
                              process_id=d.process_id if d.process_id >= 0 else None)
 
 
-def devices(c):
+def devices(c, solo: bool = False):
   """The devices of the trainer's mesh: the first `config.num_devices` (0: all of them). A
-  CPU job that gives other devices to RL rollout workers trains on device 0 alone."""
+  CPU job that gives other devices to RL rollout workers trains on device 0 alone. `solo`:
+  of this process's own devices (its cluster's other processes serve rollouts)."""
   n = c.num_devices
-  if not isinstance(n, int) or not 0 <= n <= jax.device_count():
-    raise ValueError(f"config.num_devices={n!r}: expected an int in [0, {jax.device_count()}] "
+  pool = jax.local_devices() if solo else jax.devices()
+  if not isinstance(n, int) or not 0 <= n <= len(pool):
+    raise ValueError(f"config.num_devices={n!r}: expected an int in [0, {len(pool)}] "
                      "(0 = every device)")
-  if n and jax.process_count() > 1 and n != jax.device_count():
+  if n and jax.process_count() > 1 and n != len(pool) and not solo:
     raise ValueError(f"config.num_devices={n}: a multi-process run trains on every device (0)")
-  return jax.devices()[:n] if n else None
+  if solo:
+    return pool[:n or None]
+  return pool[:n] if n else None
 
 
 _devices = devices
@@ -155,14 +161,14 @@ def _scalar(value, sharding):
   return jax.make_array_from_callback((), sharding, lambda _: np.asarray(value, np.int32))
 
 
-def _init_state(c, cfg, tx, mesh, param_sh, shapes, rules):
+def _init_state(c, cfg, tx, mesh, param_sh, shapes, rules, solo=False):
   """TrainState created in its shardings: `init_from`'s params read into them, or drawn on
   the host per shard, or under jit."""
   how = c.get("param_init", "auto")
   if how == "auto":
     how = "host" if jax.default_backend() == "cpu" else "jit"
   if c.init_from:
-    params = ckpt_lib.load_params(c.init_from, cfg, param_sh, mesh=mesh, rules=rules)
+    params = ckpt_lib.load_params(c.init_from, cfg, param_sh, mesh=mesh, rules=rules, solo=solo)
   elif how == "host":
     host = gnn.init_params(cfg, c.seed)
     params = jax.tree.map(lambda x, sh: jax.make_array_from_callback(
@@ -210,9 +216,9 @@ class _Timed:
     self.progress.exclude(time.perf_counter() - self.t0)
 
 
-def _agree(flag: bool) -> bool:
+def _agree(flag: bool, solo: bool) -> bool:
   """Process 0's decision, for all processes (it alone holds metrics.jsonl)."""
-  if jax.process_count() == 1:
+  if jax.process_count() == 1 or solo:
     return flag
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   return bool(multihost_utils.broadcast_one_to_all(np.int32(flag)))
@@ -260,7 +266,7 @@ def run(c, workdir: str, source: Source | None = None) -> dict:
   # After jax.distributed, whose preemption service installs its own SIGTERM handler; before
   # compiling, so that a signal then stops the run after its first step.
   source = lm_data.LMSource(c) if source is None else source
-  with preemption.Preemption() as preempt:
+  with preemption.Preemption(solo=source.solo) as preempt:
     try:
       return _run(c, workdir, source, preempt)
     finally:
@@ -268,7 +274,7 @@ def run(c, workdir: str, source: Source | None = None) -> dict:
 
 
 def _run(c, workdir: str, source: Source, preempt) -> dict:
-  mesh = shd.make_mesh(dict(c.mesh), devices(c))
+  mesh = shd.make_mesh(dict(c.mesh), devices(c, source.solo))
   cfg = source.model_config()
   check_mesh(cfg, mesh)
   rules = shd.rules_from_config(c.mesh_rules)
@@ -282,19 +288,19 @@ def _run(c, workdir: str, source: Source, preempt) -> dict:
   tx = step_lib.make_optimizer(c)
   stage = c.stage
   mngr = ckpt_lib.manager(workdir, keep=c.keep_checkpoints, async_save=c.async_checkpoints,
-                          items=source.items)
+                          items=source.items, solo=source.solo)
   latest, state = None, None
   with jax.set_mesh(mesh):
     if mngr.all_steps():
       latest, out = ckpt_lib.restore_latest(
           mngr, _abstract_state(tx, mesh, shapes, param_sh),
           what=f"config.stage={stage!r} with config.optimizer={c.optimizer!r}",
-          items=source.restore_items())
+          items=source.restore_items(), solo=source.solo)
       if latest is not None:
         state = out["state"]
         source.load(out)
     if latest is None:
-      state = _init_state(c, cfg, tx, mesh, param_sh, shapes, rules)
+      state = _init_state(c, cfg, tx, mesh, param_sh, shapes, rules, source.solo)
     else:
       logging.info("resumed from %s at step %d", mngr.directory, latest)
       if latest > c.total_steps:
@@ -360,7 +366,7 @@ def _run(c, workdir: str, source: Source, preempt) -> dict:
   # its evaluation evaluates first when resumed.
   eval_first = ((start == 0 and source.eval_at_start) or
                 (start > 0 and eval_due(start) and
-                 _agree(not metrics_lib.has_metric(workdir, start, eval_key))))
+                 _agree(not metrics_lib.has_metric(workdir, start, eval_key), source.solo)))
   tracing, stop = False, False
   try:
     step = start

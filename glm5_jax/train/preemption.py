@@ -47,7 +47,8 @@ class Preemption:
   by `request()` stops the run). `close()` puts the previous handler back.
   """
 
-  def __init__(self):
+  def __init__(self, solo: bool = False):
+    self.solo = solo                # this process trains alone: no other process to ask
     self._local = False
     try:
       self._old = signal.signal(signal.SIGTERM, self._handler)
@@ -66,7 +67,7 @@ class Preemption:
   def should_stop(self, step: int) -> bool:
     """Whether any process was signalled. With several processes, a collective: every
     process must call it after the same steps."""
-    if jax.process_count() == 1:
+    if jax.process_count() == 1 or self.solo:
       return self._local
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
     flags = multihost_utils.process_allgather(np.asarray([self._local], np.int32))
