@@ -33,7 +33,10 @@ robin when there are too few), serving under `rl.rollout_mesh` in the model's sh
 push hands the replicas the published version on the trainer's devices (`DeviceWeights`) and
 each replica reshards it into its own buffers device to device, leaf by leaf. Backend "ray":
 replicas are Ray actors (their own processes and JAX runtimes) reading versioned,
-checksummed snapshots from WORKDIR/weights.
+checksummed snapshots from WORKDIR/weights. Backend "distributed": the same snapshots, with
+the workers in processes 1.. of this run's jax.distributed cluster and the trainer alone in
+process 0 (rl/distributed_backend.py). A resumed run first removes the versions a killed run
+published at and after its checkpoint's version.
 
 Train/rollout consistency is measured per version: the trainer keeps the last
 `rl.gap_versions` published versions (default tau + 1, sharded like its params) and
