@@ -3,9 +3,10 @@
 CI runs these as root, as the trainer does. A protection the kernel refuses must be listed
 in `missing` (cross-checked with util-linux `unshare`), and then its attack is not expected
 to fail. After every run, no process of the sandbox's uid and no child of this process may
-be left (read from /proc here, independently of the module).
+be left (read from /proc here, independently of the module), nor any of its cgroups.
 """
 
+import errno
 import json
 import math
 import os
@@ -66,9 +67,17 @@ def _processes(pred):
   return found
 
 
+def _cgroups_left():
+  """This process's per-call cgroups still present, under each parent the module uses."""
+  prefix = f"glm5_sandbox_{os.getpid()}_"
+  return [os.path.join(parent, name) for _, parent in sandbox._own_cgroups().values()
+          for name in os.listdir(parent) if name.startswith(prefix)]
+
+
 def _assert_nothing_left(result):
   children = _processes(lambda ppid, _: ppid == os.getpid())
   assert not children, children
+  assert not _cgroups_left()
   if _ROOT and "uid" not in result.missing:
     uid = int(result.stdout.split("\n", 1)[0])
     assert uid in sandbox.SANDBOX_UIDS
@@ -280,7 +289,8 @@ def test_without_namespaces_nothing_is_left_either(monkeypatch):
                        (escape + "while True:\n  pass\n", "timeout")]:
     r = sandbox.run_python(_PRINT_UID + tail, timeout_s=1.0)
     assert r.status == status
-    assert set(layers) | {"proc", "scratch"} == set(r.missing)
+    host_dependent = {"no_userns", "total_memory", "total_processes"}   # own tests below
+    assert set(layers) | {"proc", "scratch"} == set(r.missing) - host_dependent
     _assert_nothing_left(r)
 
 
@@ -305,3 +315,86 @@ def test_set_up_failure_raises_instead_of_scoring(monkeypatch):
   with pytest.raises(sandbox.SandboxError, match="/nonexistent/python3"):
     sandbox.run_python("print(1)", timeout_s=5.0)
   assert not _processes(lambda ppid, _: ppid == os.getpid())
+
+
+def test_children_together_over_memory_mb_are_killed_and_the_status_is_memory():
+  # Each child is far under its own RLIMIT_AS (256 MiB); the six hold 600 MiB together.
+  memory_mb = 256
+  code = _PRINT_UID + (
+      "import time\nkids = []\nfor _ in range(6):\n  pid = os.fork()\n  if pid == 0:\n"
+      "    x = b'x' * (100 << 20)\n    time.sleep(0.5)\n    os._exit(0)\n  kids.append(pid)\n"
+      "print(sorted(os.waitstatus_to_exitcode(os.waitpid(k, 0)[1]) for k in kids))\n")
+  r = sandbox.run_python(code, timeout_s=10.0, memory_mb=memory_mb)
+  if "total_memory" in r.missing:     # the hole it names: all six resident at once
+    assert (r.status, r.peak_memory_bytes) == ("ok", None)
+  else:
+    assert (r.status, r.returncode) == ("memory", 0), r   # the parent itself exits 0
+    assert -signal.SIGKILL in json.loads(r.stdout.split("\n")[1])   # the OOM killer's victims
+    print(f"peak {r.peak_memory_bytes / 2**20:.1f} MiB of a {memory_mb} MiB limit")
+    assert 200 * 2**20 < r.peak_memory_bytes <= 1.02 * memory_mb * 2**20
+  assert r.wall_s < 5.0
+  _assert_nothing_left(r)
+
+
+def test_forks_beyond_the_process_limit_fail(monkeypatch):
+  monkeypatch.setattr(sandbox, "_PIDS_MAX", 12)   # below RLIMIT_NPROC (64): the cgroup's
+  code = _PRINT_UID + (
+      "import time\nn = 0\ntry:\n  for _ in range(100):\n    if os.fork() == 0:\n"
+      "      time.sleep(30)\n      os._exit(0)\n    n += 1\nexcept OSError as e:\n"
+      "  print(n, e.errno)\nelse:\n  print(n, 0)\n")
+  r = sandbox.run_python(code, timeout_s=5.0)
+  assert r.status == "ok", r
+  forked, error = map(int, r.stdout.split("\n")[1].split())
+  if "total_processes" not in r.missing:
+    assert (forked, error) == (12 - 1, errno.EAGAIN)   # the program itself is the 12th
+  elif "nproc" not in r.missing:
+    assert error == errno.EAGAIN and forked < 64
+  _assert_nothing_left(r)
+
+
+def _unprivileged_userns_allowed():
+  """Whether an unprivileged uid may create a user namespace on this host (needs root)."""
+  return subprocess.run(["unshare", "--user", "true"], user=65534, group=65534,
+                        extra_groups=[], capture_output=True).returncode == 0
+
+
+def test_cannot_create_a_nested_user_namespace(monkeypatch):
+  with open("/proc/sys/user/max_user_namespaces") as f:
+    host_limit = f.read()
+  code = _PRINT_UID + (   # util-linux first: after a successful unshare we are inside
+      "import ctypes, shutil, subprocess\n"
+      "print(subprocess.run([shutil.which('unshare'), '-U', 'true']).returncode)\n"
+      "try:\n  if hasattr(os, 'unshare'):\n    os.unshare(os.CLONE_NEWUSER)\n"
+      "  else:   # Python < 3.12\n    libc = ctypes.CDLL(None, use_errno=True)\n"
+      "    if libc.unshare(0x10000000):\n      raise OSError(ctypes.get_errno(), 'unshare')\n"
+      "  print('created')\nexcept OSError as e:\n  print('refused', e.errno)\n")
+  r = sandbox.run_python(code, timeout_s=5.0)
+  assert r.status == "ok", r
+  util_linux, syscall = r.stdout.split("\n")[1:3]
+  if "no_userns" not in r.missing:
+    assert syscall.split()[0] == "refused" and util_linux != "0"
+  monkeypatch.setattr(sandbox, "_SKIP_LAYERS", ("no_userns",))   # the attack, unprotected
+  unprotected = sandbox.run_python(code, timeout_s=5.0)
+  assert "no_userns" in unprotected.missing
+  if _ROOT and shutil.which("unshare") and _unprivileged_userns_allowed():
+    assert unprotected.stdout.split("\n")[1:3] == ["0", "created"], unprotected
+  with open("/proc/sys/user/max_user_namespaces") as f:
+    assert f.read() == host_limit        # the host's limit is untouched
+  _assert_nothing_left(r)
+  _assert_nothing_left(unprotected)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("parent", ["not_writable", "not_a_cgroup"])
+def test_without_a_cgroup_the_program_runs_and_total_memory_is_missing(monkeypatch, tmp_path,
+                                                                       version, parent):
+  where = "/sys/kernel" if parent == "not_writable" else str(tmp_path)   # mkdir: EPERM
+  monkeypatch.setattr(sandbox, "_CGROUP_PARENTS", {"memory": (version, where),
+                                                   "pids": (version, where)})
+  r = sandbox.run_python(_PRINT_UID + "print('ran')\n", timeout_s=5.0)
+  assert r.status == "ok" and r.stdout.endswith("\nran\n"), r
+  assert {"total_memory", "total_processes"} <= set(r.missing)
+  assert r.peak_memory_bytes is None
+  if parent == "not_a_cgroup":
+    assert os.listdir(tmp_path) == []    # the directory it made is removed again
+  _assert_nothing_left(r)

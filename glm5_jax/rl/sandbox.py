@@ -14,17 +14,33 @@ trainer, read its secrets or reach the network. The layers, after OpenAI human-e
   2. new PID, network, mount, IPC and UTS namespaces: the program sees only its own
      processes (a private /proc), has no network interface up (not even loopback), and all
      of it dies with the namespace's init;
-  3. private size-capped tmpfs on /tmp, /var/tmp, /dev/shm, /run/lock and the working
+  3. a user namespace of the program's own that allows no nested ones: it cannot create a
+     user namespace (`unshare -U` fails with ENOSPC), so the kernel code that a user
+     namespace's capabilities reach (mounts, netfilter, ...) stays out of its reach. As in
+     bubblewrap's --disable-userns: `user.max_user_namespaces` = 0 written inside the new
+     namespace, which limits it and its descendants only, never the host. As root the
+     program's process unshares it and init maps the sandbox uid into it; otherwise the
+     launcher's own user namespace (which grants the rights for layer 2) is limited;
+  4. private size-capped tmpfs on /tmp, /var/tmp, /dev/shm, /run/lock and the working
      directory, so nothing it writes outlives it or fills the host's disk;
-  4. rlimits: address space (`memory_mb`), CPU seconds, file size, open files, processes,
-     no core files; an empty environment; stdout and stderr capped at 64 KiB each.
+  5. a cgroup per call, a uniquely named child of the caller's own cgroup (v1 memory and
+     pids hierarchies where the host mounts them, else v2 where the caller's cgroup has
+     the controllers): the program joins it before exec, so it and all its descendants
+     share `memory_mb` of memory in total (no swap: memsw / swap.max), pids.max processes
+     and threads; the cgroup's OOM killer ends the largest of them, and any OOM kill makes
+     the status "memory". Removed after the call, whatever is left in it killed first;
+  6. rlimits: address space (`memory_mb` per process), CPU seconds, file size, open files,
+     processes, no core files; an empty environment; stdout and stderr capped at 64 KiB each.
 
 Where the kernel refuses a layer the program still runs and `SandboxResult.missing` names
 what was not in force (vocabulary: `PROTECTIONS`); nothing is ever mounted unless init is
-in a mount namespace other than the trainer's. Not covered: the program can read any
-world-readable file of the host (system files, checkouts) and its own source, so hidden
-tests must reach it only as part of the program, with expected results kept outside; no
-cgroup caps its total memory (each process has `memory_mb` of address space).
+in a mount namespace other than the trainer's. Without the call's cgroup (`total_memory`
+missing: not root and no delegated cgroup, a read-only cgroupfs, no memory controller) only
+RLIMIT_AS bounds memory, per process: n processes may hold n x `memory_mb` together, with
+n up to RLIMIT_NPROC as root and, without the pids cgroup (`total_processes`), unbounded
+otherwise. Not covered: the program can read any world-readable file of the host (system
+files, checkouts) and its own source, so hidden tests must reach it only as part of the
+program, with expected results kept outside.
 
 The program runs under /usr/bin/python3 when the caller is root (a virtualenv's python
 usually lives under /root, which the sandbox uid cannot enter), so it sees the system
@@ -34,21 +50,26 @@ python. Needs Linux >= 5.3 (pidfd_open); the layers need a kernel that allows th
 Process tree (the launcher is this file run as a script, so no `preexec_fn` and no fork of
 a threaded trainer: calls from several threads are safe):
 
-  trainer -> launcher (root, own session; unshare; child subreaper; enforces the deadline)
-    -> init (PID 1 of the new namespace; mounts /proc and tmpfs; reaps orphans)
-      -> program (rlimits, setuid, chdir, exec `python -I main.py`)
+  trainer (makes the call's cgroups) -> launcher (root, own session; unshare; child
+  subreaper; enforces the deadline)
+    -> init (PID 1 of the new namespace; mounts /proc and tmpfs; maps the program's uid;
+       reaps orphans)
+      -> program (joins the cgroups; rlimits; own user namespace; setuid, chdir, exec
+         `python -I main.py`)
 
 When the program exits, init reports its wait status and exits, which kills everything
 left in the PID namespace. At the wall deadline the launcher kills init (the namespace
-with it). Without a PID namespace, every process of the call's uid is killed instead. The
-trainer reads the launcher's reports (JSON lines) on a pipe of its own.
+with it). Without a PID namespace, every process of the call's uid is killed instead; the
+trainer also kills every process left in the call's cgroup. The trainer reads the
+launcher's reports (JSON lines) on a pipe of its own.
 
 Status (`_status`): "timeout" at the wall deadline or the CPU limit (SIGXCPU: the same
-budget on the CPU clock); "ok" for exit 0; "memory" for a non-zero exit with "MemoryError"
+budget on the CPU clock); "memory" when the call's cgroup OOM-killed any of its processes
+(even a child, and whatever the program's exit), or for a non-zero exit with "MemoryError"
 (or ENOMEM's message) at the end of stderr, as Python reports hitting the address-space
-limit; "killed" for any other signal; "error" for any other non-zero exit. A sandbox that
-cannot be set up (an environment failure, which GLM-5's RL records and filters instead of
-scoring) raises `SandboxError`.
+limit; "ok" for exit 0; "killed" for any other signal; "error" for any other non-zero
+exit. A sandbox that cannot be set up (an environment failure, which GLM-5's RL records
+and filters instead of scoring) raises `SandboxError`.
 """
 
 from __future__ import annotations
@@ -59,7 +80,9 @@ import json
 import math
 import os
 import random
+import re
 import resource
+import secrets
 import select
 import shutil
 import signal
@@ -80,6 +103,10 @@ PROTECTIONS = {
     "uts_ns": "own hostname",
     "proc": "a /proc showing only the sandbox's processes",
     "scratch": "private size-capped tmpfs on /tmp, /var/tmp, /dev/shm, /run/lock, workdir",
+    "no_userns": "cannot create user namespaces (max_user_namespaces 0 in its own user ns)",
+    "total_memory": "a per-call memory cgroup caps all its processes together at memory_mb "
+                    "(without it only RLIMIT_AS, per process)",
+    "total_processes": "a per-call pids cgroup caps its processes and threads together",
 }
 STATUSES = ("ok", "error", "timeout", "memory", "killed")
 SANDBOX_UIDS = range(1_900_000_000, 1_900_000_000 + 4096)  # also used as gids
@@ -90,6 +117,7 @@ _OUTPUT_CAP = 64 * 1024            # bytes kept of stdout and of stderr
 _TAIL = 4096                       # bytes of stderr searched for a MemoryError
 _FILE_CAP_MB = 16                  # RLIMIT_FSIZE
 _NPROC = 64                        # RLIMIT_NPROC (processes + threads of the fresh uid)
+_PIDS_MAX = 64                     # pids.max of the call's cgroup (processes + threads)
 _NOFILE = 256
 _SCRATCH = (("/tmp", 32), ("/var/tmp", 1), ("/dev/shm", 1), ("/run/lock", 1))  # (dir, MiB)
 _WORKDIR_MB = 32                   # tmpfs on the workdir when it is outside the scratch dirs
@@ -99,7 +127,13 @@ _KILL_WAIT_S = 2.0
 _MEMORY_MARKERS = ("MemoryError", "Cannot allocate memory")
 _SIGNAL_STATUS = {signal.SIGXCPU: "timeout"}   # other signals: "killed"
 _PROGRAM = "main.py"
-_SKIP_LAYERS: tuple[str, ...] = ()  # namespaces / mounts not even tried: tests of the fallbacks
+_SKIP_LAYERS: tuple[str, ...] = ()  # layers not even tried (namespaces, mounts, "no_userns"):
+                                    # tests of the fallbacks
+# {controller: (cgroup version, directory)} used instead of the caller's own cgroups
+# (`_own_cgroups`): tests point it at directories where no cgroup can be made.
+_CGROUP_PARENTS: dict[str, tuple[int, str]] | None = None
+_CGROUP_PROTECTION = {"memory": "total_memory", "pids": "total_processes"}
+_MAX_USERNS = "/proc/sys/user/max_user_namespaces"   # per user namespace (Linux >= 4.9)
 
 # Linux constants (sched.h, sys/mount.h, sys/prctl.h).
 _CLONE_NEWUSER = 0x10000000
@@ -122,6 +156,7 @@ class SandboxResult:
   returncode: int
   wall_s: float                    # the whole call, set-up included
   missing: tuple[str, ...]         # keys of PROTECTIONS that were not in force
+  peak_memory_bytes: int | None = None   # the call's memory cgroup's peak; None without one
 
 
 # --------------------------------------------------------------------------------------
@@ -136,7 +171,8 @@ def run_python(code: str, *, stdin: str = "", timeout_s: float = 5.0,
     code: the program's source.
     stdin: its standard input.
     timeout_s: wall-clock budget of the whole call (also the CPU-time limit, rounded up).
-    memory_mb: address-space limit of each of its processes (>= 32).
+    memory_mb: memory of all its processes together (the call's cgroup), and the
+      address-space limit of each (>= 32).
 
   Raises:
     SandboxError: the sandbox could not be set up (the program did not run).
@@ -149,8 +185,9 @@ def run_python(code: str, *, stdin: str = "", timeout_s: float = 5.0,
                        "was found (/usr/bin/python3, or this interpreter with every parent "
                        "directory world-executable): the program would run as root")
   uid, lock = _claim_uid() if python else (None, None)
-  workdir = None
+  workdir, cgroups, oom_kills, peak = None, {}, 0, None
   try:
+    cgroups, no_cgroup = _make_cgroups(memory_mb, _PIDS_MAX)
     workdir = tempfile.mkdtemp(prefix="glm5_sandbox_")
     if uid is not None:
       _kill_uid(uid)                      # leftovers of a trainer that crashed with this uid
@@ -159,9 +196,11 @@ def run_python(code: str, *, stdin: str = "", timeout_s: float = 5.0,
       f.write(code)
     cfg = dict(uid=uid, workdir=workdir, python=python or sys.executable,
                deadline=start + timeout_s, timeout_s=timeout_s, memory_mb=memory_mb,
-               skip=list(_SKIP_LAYERS), host_mount_ns=_mount_ns())
-    out, err, err_tail, reports, late = _launch(cfg, stdin.encode("utf-8"))
+               skip=list(_SKIP_LAYERS), host_mount_ns=_ns_id("mnt"),
+               host_user_ns=_ns_id("user"), cgroups=_cgroup_joins(cgroups))
+    out, err, err_tail, reports, late = _launch(cfg, stdin.encode("utf-8"), cgroups)
   finally:
+    oom_kills, peak = _remove_cgroups(cgroups)
     if workdir is not None:
       _remove_tree(workdir)
     if lock:
@@ -170,18 +209,21 @@ def run_python(code: str, *, stdin: str = "", timeout_s: float = 5.0,
     raise SandboxError(f"sandbox set-up failed: {reports['setup_error']}")
   if "missing" not in reports:
     raise SandboxError(f"sandbox launcher failed: {err_tail.decode('utf-8', 'replace')}")
-  missing = set(reports["missing"]) | (set() if uid is not None else {"uid", "nproc"})
+  missing = (set(reports["missing"]) | no_cgroup
+             | (set() if uid is not None else {"uid", "nproc"}))
   timed_out = late or reports.get("timeout", False)
   exit_status = None if timed_out else reports.get("exit")
   returncode = None if exit_status is None else os.waitstatus_to_exitcode(exit_status)
   return SandboxResult(
-      status=_status(returncode, timed_out, err_tail.decode("utf-8", "replace")),
+      status=_status(returncode, timed_out, err_tail.decode("utf-8", "replace"),
+                     oom_killed=oom_kills > 0),
       stdout=out.decode("utf-8", "replace"), stderr=err.decode("utf-8", "replace"),
       returncode=-signal.SIGKILL if returncode is None else returncode,
-      wall_s=time.monotonic() - start, missing=tuple(k for k in PROTECTIONS if k in missing))
+      wall_s=time.monotonic() - start, missing=tuple(k for k in PROTECTIONS if k in missing),
+      peak_memory_bytes=peak if "total_memory" not in missing else None)
 
 
-def _launch(cfg, stdin_bytes):
+def _launch(cfg, stdin_bytes, cgroups):
   """Starts the launcher (this file as a script) and collects its output; see `_pump`."""
   report_r, report_w = os.pipe()
   cfg = dict(cfg, report_fd=report_w, parent=os.getpid())
@@ -199,9 +241,9 @@ def _launch(cfg, stdin_bytes):
       finally:
         os.close(report_w)
     try:
-      return _pump(proc, report_r, cfg["deadline"], cfg["uid"])
+      return _pump(proc, report_r, cfg["deadline"], cfg["uid"], cgroups)
     finally:
-      _kill_all(proc, cfg["uid"])
+      _kill_all(proc, cfg["uid"], cgroups)
   finally:
     os.close(report_r)
 
@@ -222,10 +264,13 @@ def _check_args(code, stdin, timeout_s, memory_mb):
                      f"alone needs ~16 MiB of address space)")
 
 
-def _status(returncode: int | None, timed_out: bool, stderr_tail: str) -> str:
+def _status(returncode: int | None, timed_out: bool, stderr_tail: str, *,
+            oom_killed: bool = False) -> str:
   """Status from the program's returncode (None: never reported), see the module doc."""
   if timed_out:
     return "timeout"
+  if oom_killed:      # by the call's cgroup, whichever of its processes it was
+    return "memory"
   if returncode is None:
     return "killed"
   if returncode == 0:
@@ -273,7 +318,7 @@ def _claim_uid() -> tuple[int, socket.socket]:
   raise SandboxError(f"all {len(SANDBOX_UIDS)} sandbox uids are in use")
 
 
-def _pump(proc, report_fd, deadline, uid):
+def _pump(proc, report_fd, deadline, uid, cgroups):
   """Reads stdout, stderr and reports until the launcher is done and the pipes close.
 
   Returns (stdout head, stderr head, stderr tail, reports dict, launcher late).
@@ -296,7 +341,7 @@ def _pump(proc, report_fd, deadline, uid):
           poller.unregister(pidfd)
           os.close(pidfd)
           pidfd = None
-          _kill_all(proc, uid, reap=False)   # whatever escaped, then drain the pipes
+          _kill_all(proc, uid, cgroups, reap=False)   # whatever escaped, then drain
           end = min(end, time.monotonic() + _DRAIN_S)
           continue
         chunk = os.read(fd, 1 << 16)
@@ -319,14 +364,17 @@ def _pump(proc, report_fd, deadline, uid):
   return bytes(out[0]), bytes(err[0]), err[1], reports, late
 
 
-def _kill_all(proc, uid, *, reap=True):
-  """SIGKILL the launcher's process group and every process of `uid`; reap the launcher."""
+def _kill_all(proc, uid, cgroups, *, reap=True):
+  """SIGKILL the launcher's process group, every process of `uid` and of the call's
+  cgroups; reap the launcher."""
   try:
     os.killpg(proc.pid, signal.SIGKILL)
   except (ProcessLookupError, PermissionError):
     pass
   if uid is not None:
     _kill_uid(uid)
+  for path in _cgroup_dirs(cgroups):
+    _kill_cgroup(path)
   if reap:
     proc.wait()
     proc.stdout.close()
@@ -390,6 +438,170 @@ def _rlimits(timeout_s: float, memory_mb: int, *, fresh_uid: bool):
 
 
 # --------------------------------------------------------------------------------------
+# The call's cgroups (trainer side; the program joins them itself)
+# --------------------------------------------------------------------------------------
+
+def _own_cgroups() -> dict[str, tuple[int, str]]:
+  """{"memory" / "pids": (cgroup version, directory of the caller's own cgroup)}.
+
+  v1: a `cgroup` mount whose options name the controller; v2: the `cgroup2` mount, where
+  the controller is in the caller's cgroup.controllers. A controller is in one hierarchy
+  only. The paths in /proc/self/cgroup are relative to a hierarchy's root, which a mount
+  may show from a subdirectory on (its root field in mountinfo).
+  """
+  if _CGROUP_PARENTS is not None:
+    return dict(_CGROUP_PARENTS)
+  try:
+    with open("/proc/self/cgroup", encoding="utf-8") as f:
+      own = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
+    with open("/proc/self/mountinfo", encoding="utf-8") as f:
+      mounts = [line.split() for line in f]
+  except OSError:
+    return {}
+  found = {}
+  for fields in mounts:
+    if "-" not in fields or len(fields) < 5:
+      continue
+    root, point = fields[3], re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4])
+    fstype, *rest = fields[fields.index("-") + 1:]
+    options = set(rest[1].split(",")) if len(rest) > 1 else set()
+    for hierarchy, names, path in own:
+      v1 = fstype == "cgroup" and bool(names) and set(names.split(",")) <= options
+      v2 = fstype == "cgroup2" and hierarchy == "0"
+      rel = os.path.relpath(path, root) if v1 or v2 else os.pardir
+      if rel == os.pardir or rel.startswith(os.pardir + os.sep):
+        continue        # not this mount, or the caller's cgroup is outside what it shows
+      where = os.path.normpath(os.path.join(point, rel))
+      controllers = names.split(",") if v1 else _read(f"{where}/cgroup.controllers").split()
+      for controller in _CGROUP_PROTECTION:
+        if controller in controllers:
+          found.setdefault(controller, (1 if v1 else 2, where))
+  return found
+
+
+def _cgroup_limits(version: int, controller: str, memory_mb: int, pids_max: int):
+  """(file, value, required) written into a new cgroup; the optional ones: best effort."""
+  if controller == "pids":
+    return [("pids.max", str(pids_max), True)]
+  limit = str(memory_mb << 20)
+  if version == 1:   # memsw (memory + swap) >= limit: set after it; oom_control 0: the
+    return [("memory.limit_in_bytes", limit, True),        # OOM killer on, not a hang
+            ("memory.memsw.limit_in_bytes", limit, False),  # absent without swap accounting
+            ("memory.swappiness", "0", False), ("memory.oom_control", "0", False)]
+  return [("memory.max", limit, True), ("memory.swap.max", "0", False)]
+
+
+def _make_cgroups(memory_mb: int, pids_max: int):
+  """The call's cgroups, children of the caller's: ({controller: (version, directory)},
+  names of the PROTECTIONS that could not be made). Unique names: safe across threads."""
+  parents = _own_cgroups()
+  name = f"glm5_sandbox_{os.getpid()}_{secrets.token_hex(8)}"
+  made, created, missing = {}, [], set()
+  for controller, protection in _CGROUP_PROTECTION.items():
+    try:
+      if controller not in parents:
+        raise OSError(f"no {controller} cgroup controller for this process")
+      version, parent = parents[controller]
+      path = os.path.join(parent, name)
+      if version == 2 and controller not in _read(f"{parent}/cgroup.subtree_control").split():
+        _write(f"{parent}/cgroup.subtree_control", f"+{controller}")  # EBUSY: has processes
+      if path not in created:
+        os.mkdir(path, 0o755)
+        created.append(path)
+      for file, value, required in _cgroup_limits(version, controller, memory_mb, pids_max):
+        try:
+          _write(os.path.join(path, file), value)
+        except OSError:
+          if required:
+            raise
+      made[controller] = (version, path)
+    except OSError:
+      missing.add(protection)
+  for path in set(created) - set(_cgroup_dirs(made)):
+    _rmdir(path)
+  return made, missing
+
+
+def _cgroup_dirs(cgroups) -> list[str]:
+  return sorted({path for _, path in cgroups.values()})
+
+
+def _cgroup_joins(cgroups) -> list[list]:
+  """[[cgroup.procs file, [protections]], ...] for the program to join, one per directory."""
+  joins = {}
+  for controller, (_, path) in sorted(cgroups.items()):
+    joins.setdefault(os.path.join(path, "cgroup.procs"), []).append(
+        _CGROUP_PROTECTION[controller])
+  return [[procs, names] for procs, names in joins.items()]
+
+
+def _remove_cgroups(cgroups) -> tuple[int, int | None]:
+  """Kills what is left in the call's cgroups, removes them: (OOM kills, peak bytes)."""
+  for path in _cgroup_dirs(cgroups):
+    _kill_cgroup(path)
+  oom_kills, peak = 0, None
+  if "memory" in cgroups:
+    version, path = cgroups["memory"]
+    events, peak_file = ((f"{path}/memory.oom_control", f"{path}/memory.max_usage_in_bytes")
+                         if version == 1 else (f"{path}/memory.events", f"{path}/memory.peak"))
+    for line in _read(events).splitlines():
+      key, _, value = line.partition(" ")
+      oom_kills = int(value) if key == "oom_kill" else oom_kills
+    text = _read(peak_file).strip()       # memory.peak: Linux >= 5.19
+    peak = int(text) if text.isdigit() else None
+  for path in _cgroup_dirs(cgroups):
+    _rmdir(path)
+  return oom_kills, peak
+
+
+def _kill_cgroup(path: str, timeout_s: float = _KILL_WAIT_S) -> bool:
+  """SIGKILL every process in cgroup `path` until none is left (pids.max bounds a bomb)."""
+  with contextlib.suppress(OSError):
+    _write(f"{path}/cgroup.kill", "1")       # v2, Linux >= 5.14
+  end = time.monotonic() + timeout_s
+  while pids := [int(p) for p in _read(f"{path}/cgroup.procs").split()]:
+    for pid in pids:
+      with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    if time.monotonic() > end:
+      return False
+    time.sleep(0.002)
+  return True
+
+
+def _rmdir(path: str, timeout_s: float = _KILL_WAIT_S):
+  """Removes an empty cgroup, retrying while killed processes are still exiting (EBUSY)."""
+  end = time.monotonic() + timeout_s
+  while True:
+    try:
+      os.rmdir(path)
+      return
+    except FileNotFoundError:
+      return
+    except OSError:
+      if time.monotonic() > end:
+        return        # left behind, empty or nearly: harmless to the next calls
+      time.sleep(0.005)
+
+
+def _read(path: str) -> str:
+  try:
+    with open(path, encoding="ascii", errors="replace") as f:
+      return f.read()
+  except OSError:
+    return ""
+
+
+def _write(path: str, text: str):
+  """Writes a control file; never creates one (a directory that is no cgroup fails)."""
+  fd = os.open(path, os.O_WRONLY)
+  try:
+    os.write(fd, text.encode())
+  finally:
+    os.close(fd)
+
+
+# --------------------------------------------------------------------------------------
 # Launcher side (this file run as a script, as root or as the caller)
 # --------------------------------------------------------------------------------------
 
@@ -423,8 +635,9 @@ def _report(fd, **items):
   os.write(fd, json.dumps(items).encode() + b"\n")
 
 
-def _unshare(libc, as_root, skip):
+def _unshare(libc, as_root, cfg):
   """Enters new namespaces one at a time; returns the names of those refused or skipped."""
+  missing = []
   if not as_root:   # an unprivileged user namespace grants the rights for the others
     try:
       uid, gid = os.getuid(), os.getgid()
@@ -434,11 +647,12 @@ def _unshare(libc, as_root, skip):
         with open(f"/proc/self/{name}", "w") as f:
           f.write(text)
     except OSError:
-      return [name for name, _ in _NAMESPACES]
-  missing = []
+      return [name for name, _ in _NAMESPACES] + ["no_userns"]
+    if not _refuse_nested_userns(cfg):
+      missing.append("no_userns")
   for name, flag in _NAMESPACES:
     try:
-      if name in skip:
+      if name in cfg["skip"]:
         raise OSError(f"{name} skipped")
       libc.unshare(flag)
     except OSError:
@@ -446,19 +660,33 @@ def _unshare(libc, as_root, skip):
   return missing
 
 
-def _mount_ns():
-  """Identity of this process's mount namespace, or None when /proc cannot tell."""
+def _ns_id(kind: str):
+  """Identity of this process's namespace of `kind` ("mnt", "user"), or None."""
   try:
-    st = os.stat("/proc/self/ns/mnt")
+    st = os.stat(f"/proc/self/ns/{kind}")
     return [st.st_dev, st.st_ino]
   except OSError:
     return None
 
 
+def _refuse_nested_userns(cfg) -> bool:
+  """user.max_user_namespaces = 0 in this process's own new user namespace (which it has
+  CAP_SYS_RESOURCE in): no user namespace can be made in it or below it. Never written in
+  the trainer's user namespace (False there): the host's limit stays as it is."""
+  if "no_userns" in cfg["skip"] or _ns_id("user") in (None, cfg["host_user_ns"]):
+    return False
+  try:
+    with open(_MAX_USERNS, "w", encoding="ascii") as f:
+      f.write("0")
+    return True
+  except OSError:
+    return False
+
+
 def _private_mounts(libc, cfg, code, missing):
   """In init: a /proc of the new PID namespace and tmpfs scratch; returns names refused."""
   refused = ["proc", "scratch"]
-  ns = _mount_ns()
+  ns = _ns_id("mnt")
   if "mount_ns" in missing or ns is None or ns == cfg["host_mount_ns"]:
     return refused   # never mount anything in the trainer's mount namespace
   try:      # first, so that nothing below propagates to the host
@@ -496,32 +724,93 @@ def _private_mounts(libc, cfg, code, missing):
   return refused
 
 
-def _exec_program(libc, cfg):
-  """In the program's process: limits, then the uid, then exec (never returns)."""
+def _exec_program(libc, cfg, sync):
+  """In the program's process: cgroups, limits, user namespace, uid, exec (never returns)."""
   uid = cfg["uid"]
+  missing = []
+  for procs, protections in cfg["cgroups"]:   # first: all it and its children use counts
+    try:
+      _write(procs, "0")                      # "0": this process
+    except OSError:
+      missing += protections
   libc.prctl(_PR_SET_NO_NEW_PRIVS, 1)
   for res, soft, hard in _rlimits(cfg["timeout_s"], cfg["memory_mb"], fresh_uid=uid is not None):
     resource.setrlimit(res, (soft, hard))
   if uid is not None:
     os.setgroups([])
+    if sync is not None and not _own_user_ns(libc, cfg, sync):
+      missing.append("no_userns")
     os.setresgid(uid, uid, uid)
     os.setresuid(uid, uid, uid)
+  if missing:
+    _report(cfg["report_fd"], missing=missing)
   os.chdir(cfg["workdir"])
   os.execve(cfg["python"], [cfg["python"], "-I", _PROGRAM], {})
 
 
+def _own_user_ns(libc, cfg, sync) -> bool:
+  """As root, in the program's process: a new user namespace that init maps the sandbox uid
+  into (`_map_ids`) and that allows no nested ones. False where the kernel refused it."""
+  (ready_r, ready_w), (mapped_r, mapped_w) = sync
+  os.close(ready_r)
+  os.close(mapped_w)
+  try:
+    libc.unshare(_CLONE_NEWUSER)
+  except OSError:
+    os.write(ready_w, b"0")
+    return False
+  os.write(ready_w, b"1")
+  if os.read(mapped_r, 1) != b"1":
+    raise OSError("init could not map the sandbox uid into the program's user namespace")
+  return _refuse_nested_userns(cfg)
+
+
+def _map_ids(pid, uid, sync):
+  """In init: writes uid_map and gid_map ("uid uid 1") of child `pid`'s new user namespace.
+
+  Only init can: it has CAP_SETUID in the parent user namespace, which a mapping of any id
+  other than the writer's own needs.
+  """
+  (ready_r, ready_w), (mapped_r, mapped_w) = sync
+  os.close(ready_w)
+  os.close(mapped_r)
+  try:
+    if os.read(ready_r, 1) != b"1":   # refused, or the child died
+      return
+    ok = b"1"
+    try:
+      for name in ("uid_map", "gid_map"):
+        with open(f"/proc/{pid}/{name}", "w", encoding="ascii") as f:
+          f.write(f"{uid} {uid} 1\n")
+    except OSError:
+      ok = b"0"
+    with contextlib.suppress(OSError):
+      os.write(mapped_w, ok)
+  finally:
+    os.close(ready_r)
+    os.close(mapped_w)
+
+
 def _init_main(libc, cfg, code, missing):
   """PID 1 of the sandbox: set up mounts, run the program, report its wait status."""
-  fd = cfg["report_fd"]
+  fd, uid = cfg["report_fd"], cfg["uid"]
   libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-  _report(fd, missing=_private_mounts(libc, cfg, code, missing))
+  refused = _private_mounts(libc, cfg, code, missing)
+  # init maps the program's ids through /proc/<pid>: only where /proc shows init's own PID
+  # namespace. Without a fresh uid, the launcher's user namespace is the limited one.
+  nest = (uid is not None and "no_userns" not in cfg["skip"]
+          and ("pid_ns" in missing or "proc" not in refused))
+  _report(fd, missing=refused + (["no_userns"] if uid is not None and not nest else []))
+  sync = (os.pipe(), os.pipe()) if nest else None
   child = os.fork()
   if child == 0:
     try:
-      _exec_program(libc, cfg)
+      _exec_program(libc, cfg, sync)
     except BaseException as e:   # pylint: disable=broad-except
       _report(fd, setup_error=f"{type(e).__name__}: {e}")
     os._exit(127)
+  if sync is not None:
+    _map_ids(child, uid, sync)
   while True:               # as PID 1, also reap the orphans of the namespace
     pid, status = os.waitpid(-1, 0)
     if pid == child:
@@ -547,7 +836,7 @@ def _launcher_main(cfg):
     os._exit(1)
   with open(os.path.join(cfg["workdir"], _PROGRAM), "rb") as f:
     code = f.read()
-  missing = _unshare(libc, os.geteuid() == 0, cfg["skip"])
+  missing = _unshare(libc, os.geteuid() == 0, cfg)
   libc.prctl(_PR_SET_CHILD_SUBREAPER, 1)   # orphans come here when there is no PID namespace
   _report(fd, missing=missing)
   init = os.fork()
