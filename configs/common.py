@@ -22,6 +22,9 @@ def add_runtime(c: ml_collections.ConfigDict, *, num_devices: int = 0,
   c.mesh_rules = ml_collections.FieldReference(None, field_type=list)
   c.distributed = ml_collections.ConfigDict({
       "coordinator_address": "", "num_processes": 0, "process_id": -1, "cpu_collectives": False})
+  # A workdir remembers the fields that define its run (glm5_jax/train/workdir.py); True
+  # continues it with changed ones on purpose.
+  c.allow_changed_run = False
   return c
 
 

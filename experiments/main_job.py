@@ -17,11 +17,11 @@ numerics.cpu_devices(2)          # training on device 0 (config.num_devices=1), 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import app
 from absl import flags
-from ml_collections import config_flags
 
+from experiments import cli
 from experiments import main_job_stages
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/main_job.py", lock_config=True)
+_CONFIG = cli.define_config("configs/main_job.py", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", "workdir/main", "run directory")
 
 
@@ -31,4 +31,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

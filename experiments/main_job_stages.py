@@ -10,7 +10,7 @@ held-out accuracy (greedy) after SFT and after GRPO; then `post.rl_async` contin
 GRPO's weights on the fully asynchronous loop (`glm5_jax.rl.async_loop`, a rollout worker on
 its own device). A stage already finished is read back, not run again.
 
-Preemption (train/preemption.py): SIGTERM stops the running stage at a checkpoint and ends
+Preemption (train/preemption.py): SIGTERM (or Ctrl-C) stops the running stage at a checkpoint and ends
 the job (exit 0) before any later stage; the rerun resumes that stage and continues, so the
 summary is the uninterrupted job's.
 """
@@ -30,6 +30,7 @@ from glm5_jax.rl import grpo
 from glm5_jax.rl import tasks
 from glm5_jax.train import loop
 from glm5_jax.train import metrics as metrics_lib
+from glm5_jax.train import workdir as workdir_lib
 
 
 def _stage_config(base, stage: str, steps: int, init_from: str, lr: float, warmup: int):
@@ -64,6 +65,7 @@ def _rl_config(c, section, init_from: str):
   with rc.unlocked():
     rc.init_from = init_from
     rc.seed = c.seed
+    rc.allow_changed_run = c.allow_changed_run
     rc.data.tokenizer = c.data.tokenizer
     rc.rl.task = c.post.task
     rc.rl.task_options = c.post.task_options
@@ -83,7 +85,12 @@ def _write_sft_data(c, workdir: str) -> str:
 
 def run_all(c, workdir: str) -> dict:
   """Runs every stage in `workdir/{pretrain,dense_baseline,dsa_warmup,dsa_sparse,sft,grpo,
-  rl_async}`."""
+  rl_async}`, holding the workdir's lock (train/workdir.py; each stage locks its own)."""
+  with workdir_lib.lock(workdir):
+    return _run_all(c, workdir)
+
+
+def _run_all(c, workdir: str) -> dict:
   s = c.stages
   plan = [
       ("pretrain", "pretrain", s.pretrain_steps, "", c.learning_rate, c.warmup_steps),

@@ -7,11 +7,12 @@ SIGTERM (on any process) checkpoints and exits 0; the same command resumes exact
 
 from absl import app
 from absl import flags
-from ml_collections import config_flags
+
+from experiments import cli
 
 from glm5_jax import train
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/pretrain.py", lock_config=True)
+_CONFIG = cli.define_config("configs/pretrain.py", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory (checkpoints, metrics)",
                                required=True)
 
@@ -22,4 +23,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

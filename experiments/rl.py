@@ -13,11 +13,12 @@ numerics.batch_invariant_cpu()   # before JAX starts: engine and trainer agree b
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import app
 from absl import flags
-from ml_collections import config_flags
+
+from experiments import cli
 
 from glm5_jax.rl import grpo
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/rl.py", lock_config=True)
+_CONFIG = cli.define_config("configs/rl.py", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory (checkpoints, metrics)",
                                required=True)
 
@@ -28,4 +29,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

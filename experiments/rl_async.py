@@ -32,11 +32,12 @@ numerics.cpu_devices(int(next((a.split("=", 1)[1] for a in sys.argv
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import app
 from absl import flags
-from ml_collections import config_flags
+
+from experiments import cli
 
 from glm5_jax.rl import async_loop
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/rl_async.py", lock_config=True)
+_CONFIG = cli.define_config("configs/rl_async.py", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory (checkpoints, metrics, ledger)",
                                required=True)
 flags.DEFINE_integer("devices", 3, "XLA:CPU devices (trainer + workers); read before JAX "
@@ -52,4 +53,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -23,6 +23,16 @@ def test_sigterm_sets_the_flag_and_close_restores_the_handler():
   assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_sigint_is_handled_as_sigterm_and_a_second_one_stops_at_once():
+  before = signal.getsignal(signal.SIGINT)
+  with preemption.Preemption() as p:
+    os.kill(os.getpid(), signal.SIGINT)
+    assert p.should_stop(1)                         # a checkpoint at the next step
+    with pytest.raises(KeyboardInterrupt, match="second SIGINT"):
+      os.kill(os.getpid(), signal.SIGINT)
+  assert signal.getsignal(signal.SIGINT) is before
+
+
 def test_preempted_is_an_exit_zero_that_says_where_it_stopped():
   with pytest.raises(SystemExit) as e:
     raise preemption.Preempted(7, "/w")

@@ -172,6 +172,14 @@ def test_ray_loop_with_a_killed_worker(init_dir, tmp_path):
     ("faults", {"env_crash_rate": 2.0}, "config.rl.faults.env_crash_rate=2.0"),
     ("task", "tool_nope", "config.rl.task='tool_nope'"),
     ("warmup_lengths", (64, 100000), r"config.rl.warmup_lengths=(64, 100000)"),
+    ("max_turns", 0, "config.rl.max_turns=0: expected an integer in [1, 1024]"),
+    ("groups_per_update", 7, "config.rl.groups_per_update=7: expected <= "
+     "config.rl.max_groups_in_flight"),
+    ("eval_problems", 10**9, "config.rl.eval_problems=1000000000: expected an integer in "
+     "[1, 100000] (held-out problems)"),
+    ("max_new_tokens", 96, "config.rl.max_new_tokens=96: expected an integer in [1, "
+     "config.rl.max_len - 1]"),
+    ("workers", 10**6, "config.rl.workers=1000000"),
 ])
 def test_bad_config_names_the_field(field, value, message):
   c = small_config("/nonexistent")
@@ -181,6 +189,149 @@ def test_bad_config_names_the_field(field, value, message):
     c.rl[field] = value
   with pytest.raises(ValueError, match=re.escape(message)):
     async_loop.validate(c)
+
+
+def test_a_context_no_prompt_fits_is_refused_by_both_entry_points(init_dir, tmp_path):
+  """rl.max_len below the prompts: the async loop (which would truncate every episode and
+  train on 0 tokens) and sync GRPO (whose engine would refuse them) both refuse it, before
+  anything compiles, naming config.rl.max_len."""
+  from configs import rl as rl_config  # pylint: disable=g-import-not-at-top
+  from glm5_jax.rl import grpo  # pylint: disable=g-import-not-at-top
+  c = small_config(init_dir, max_len=12, max_new_tokens=4, warmup_lengths=(16,))
+  with pytest.raises(ValueError, match=r"config.rl.max_len=12: the task's prompts take up "
+                     r"to \d+ tokens \(held-out problems and a sample"):
+    async_loop.run(c, str(tmp_path / "async"))
+  g = rl_config.get_config("task=arith,runlocal=True")
+  g.init_from, g.tensorboard = init_dir, False
+  g.rl.max_len, g.rl.max_new_tokens = 12, 4
+  with pytest.raises(ValueError, match=r"config.rl.max_len=12: the task's prompts take up "
+                     r"to \d+ tokens \(held-out problems and the first step's\)"):
+    grpo.run(g, str(tmp_path / "sync"))
+  c = small_config(init_dir, context={"kind": "discard_all", "max_tokens": 8})
+  with pytest.raises(ValueError, match=r"config.rl.context.max_tokens=8: below the task's "
+                     r"prompts"):
+    async_loop.run(c, str(tmp_path / "async2"))
+
+
+def _ledger_state(workdir):
+  """(consumed updates of the ledger's last run, finished checkpoint steps, unfinished
+  checkpoint dirs), read while a run writes them."""
+  path, ckpts = os.path.join(workdir, "rollouts.jsonl"), os.path.join(workdir, "checkpoints")
+  updates = set()
+  if os.path.exists(path):
+    for e in ledger_lib.events(path):
+      if e.get("kind") == "run":
+        updates = set()
+      elif e.get("kind") == "group" and e.get("event") == "consumed":
+        updates.add(e["update"])
+  names = os.listdir(ckpts) if os.path.isdir(ckpts) else []
+  return updates, {int(d) for d in names if d.isdigit()}, [d for d in names if "tmp" in d]
+
+
+def _async_proc(init_dir, workdir, total, every, **popen):
+  return subprocess.Popen([sys.executable, "-m", "tests.test_rl_async", init_dir, workdir,
+                           str(total), str(every)], cwd=ROOT, env=dict(os.environ,
+                                                                       PYTHONPATH=ROOT),
+                          text=True, **popen)
+
+
+def _sigkill_when(init_dir, workdir, total, every, when, what):
+  p = _async_proc(init_dir, workdir, total, every, stdout=subprocess.DEVNULL,
+                  stderr=subprocess.DEVNULL)
+  try:
+    while p.poll() is None:
+      state = _ledger_state(workdir)
+      if when(*state):
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        return state
+      time.sleep(0.002)
+    raise AssertionError(f"the run ended (rc {p.returncode}) before the kill point: {what}")
+  finally:
+    p.kill()
+
+
+def _check_resumed_run(workdir, total):
+  """Audit clean (no prompt consumed twice, nothing of a rolled-back run counted), one
+  metrics row per update, running totals never going back."""
+  problems = ledger_lib.audit(os.path.join(workdir, "rollouts.jsonl"))
+  assert not problems, problems[:10]
+  rows = [r for r in metrics_lib.read_rows(workdir) if "loss" in r]
+  assert [r["step"] for r in rows] == list(range(1, total + 1))
+  for a, b in zip(rows, rows[1:]):
+    for k in a:
+      if k == "wall_s" or k == "compiles" or k.startswith(("status_", "dropped_",
+                                                            "staleness_hist_")):
+        assert b.get(k, 0.0) >= a[k], (k, a["step"], a[k], b.get(k))
+  return rows
+
+
+@pytest.mark.slow
+def test_sigkill_before_during_and_between_saves_then_no_prompt_counts_twice(init_dir,
+                                                                             tmp_path):
+  """SIGKILL before the first checkpoint finished, during a save, and between saves, each
+  followed by the same command: the ledger keeps every line (rolled back, never truncated),
+  the last run finishes, the live ledger audits clean and the totals continue."""
+  wd, total, every = str(tmp_path / "run"), 6, 2
+  killed = _sigkill_when(init_dir, wd, total, every, lambda u, done, tmp: u and not done and
+                         not tmp, "an update consumed, no checkpoint yet")
+  assert not killed[1]
+  lines = sum(1 for _ in open(os.path.join(wd, "rollouts.jsonl")))
+  killed = _sigkill_when(init_dir, wd, total, every, lambda u, done, tmp: bool(tmp),
+                         "a checkpoint being written")
+  assert killed[2] and not killed[1]
+  events = ledger_lib.events(os.path.join(wd, "rollouts.jsonl"))
+  assert len(events) >= lines and [e for e in events if e.get("kind") == "run"][1][
+      "keep"] == 0                          # the rerun found no finished checkpoint: kept all
+  killed = _sigkill_when(init_dir, wd, total, every, lambda u, done, tmp: done and u and
+                         max(u) >= max(done) + 1, "an update consumed after a checkpoint")
+  p = _async_proc(init_dir, wd, total, every, stdout=subprocess.DEVNULL,
+                  stderr=subprocess.PIPE)
+  err = p.communicate(timeout=900)[1]
+  assert p.returncode == 0, err[-3000:]
+  assert "rolled back" in err
+  _check_resumed_run(wd, total)
+  summary = ledger_lib.summary(os.path.join(wd, "rollouts.jsonl"))
+  assert summary["runs"] == 4 and summary["rolled_back"] > 0
+
+
+@pytest.mark.slow
+def test_disk_full_stops_with_one_line_and_the_rerun_continues_cleanly(init_dir, tmp_path):
+  """The workdir on a 64 MiB tmpfs filled up after the first checkpoint: the run stops
+  (the save's one line, or an earlier write's error), the checkpoint stays intact; with
+  space freed the same command finishes with a clean ledger."""
+  wd = str(tmp_path / "run")
+  os.makedirs(wd)
+  if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", wd],
+                    capture_output=True).returncode:
+    pytest.skip("needs root to mount a tmpfs (a disk that can be filled)")
+  try:
+    total, every = 6, 2
+    p = _async_proc(init_dir, wd, total, every, stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE)
+    while p.poll() is None and not _ledger_state(wd)[1]:
+      time.sleep(0.01)
+    filler = os.path.join(wd, "filler")
+    with open(filler, "wb") as f:              # every byte left on the device
+      try:
+        while True:
+          f.write(b"\0" * (1 << 20))
+          f.flush()
+      except OSError:
+        pass
+    err = p.communicate(timeout=900)[1]
+    assert p.returncode != 0 and "No space left on device" in err, err[-3000:]
+    if "saving a checkpoint in" in err:        # the save hit it: one line, no traceback
+      assert "Traceback" not in err, err[-3000:]
+    assert 2 in _ledger_state(wd)[1]
+    os.remove(filler)
+    p = _async_proc(init_dir, wd, total, every, stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE)
+    err = p.communicate(timeout=900)[1]
+    assert p.returncode == 0, err[-3000:]
+    _check_resumed_run(wd, total)
+  finally:
+    subprocess.run(["umount", "-l", wd], check=False)
 
 
 # One group per update from one worker: every update pushes, and the worker swaps it in.
@@ -286,3 +437,11 @@ def test_distributed_pushes_of_a_1gib_model_stay_within_each_processs_share(tmp_
   assert os.path.isdir(os.path.join(workdir, "checkpoints", "2"))
   assert not os.path.exists(os.path.join(workdir, "checkpoints", "1"))
   _check_pushes(workdir, tree, largest)
+
+
+if __name__ == "__main__":   # python -m tests.test_rl_async INIT_DIR WORKDIR TOTAL CKPT_EVERY
+  from glm5_jax import numerics  # pylint: disable=g-import-not-at-top
+  numerics.batch_invariant_cpu()
+  _c = small_config(sys.argv[1], checkpoint_every=int(sys.argv[4]))
+  _c.total_steps = int(sys.argv[3])
+  async_loop.run(_c, sys.argv[2])

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from glm5_jax.rl import async_loop
 from glm5_jax.rl import groups
 from glm5_jax.rl import heartbeat
 from glm5_jax.rl import ledger as ledger_lib
@@ -259,7 +260,8 @@ def test_ledger_audit_is_clean_for_a_clean_run_and_finds_each_fault(tmp_path):
   assert ledger_lib.audit(path) == []
   lines = open(path).read().splitlines()
   assert json.loads(lines[0]) == {"t": 0, "id": "g000000", "kind": "group",
-                                  "event": "admitted", "reason": None, "prompt_index": 0}
+                                  "event": "admitted", "reason": None, "run": 0,
+                                  "prompt_index": 0}
 
   def audit_with(edit):
     bad = str(tmp_path / "bad.jsonl")
@@ -303,6 +305,136 @@ def test_ledger_open_resumes_after_a_torn_line_and_audit_reports_it(tmp_path):
   with ledger_lib.Ledger(path) as led:                        # a new ledger replaces it
     led.admitted("g000009")
   assert [e["id"] for e in ledger_lib.read(path)] == ["g000009"]
+
+
+def _killed_after_checkpoint(path):
+  """Run 0: groups of prompts 0, 1, 2; a checkpoint after update 1 (g0 consumed, g1 in
+  flight); after it, updates 2 and 3 consume g1 and g2, then SIGKILL. Returns the line count
+  the checkpoint saved."""
+  led = ledger_lib.Ledger.open(path)
+  led.begin(0, 0)
+  for g in range(3):
+    led.admitted(f"g{g}", prompt_index=g)
+  for g in range(2):
+    led.finished(f"g{g}/0#0")
+  led.consumed("g0/0#0", "trajectory", update=0)
+  led.consumed("g0", "group", update=0)
+  keep = led.lines                                      # checkpoint of update 1
+  led.consumed("g1/0#0", "trajectory", update=1)
+  led.consumed("g1", "group", update=1)
+  led.finished("g2/0#0")
+  led.consumed("g2/0#0", "trajectory", update=2)
+  led.consumed("g2", "group", update=2)
+  led.close()                                           # killed: nothing ledgered dropped
+  return keep
+
+
+def _resume(path, keep, update=1):
+  """Run 1 from the checkpoint of `update`: what is open at it dropped, prompts 1 and 2
+  admitted again (g3, g4) and consumed by updates 1 and 2."""
+  led = ledger_lib.Ledger.open(path)
+  led.begin(update, keep)
+  for kind, ids in ledger_lib.pending(path).items():
+    for i in ids:
+      led.dropped(i, kind, "shutdown")
+  for g, p in ((3, 1), (4, 2)):
+    led.admitted(f"g{g}", prompt_index=p)
+    led.finished(f"g{g}/0#0")
+    led.consumed(f"g{g}/0#0", "trajectory", update=g - 2)
+    led.consumed(f"g{g}", "group", update=g - 2)
+  return led
+
+
+def test_ledger_resume_rolls_back_the_killed_runs_work_and_audit_names_each_fault(tmp_path):
+  path = str(tmp_path / "rollouts.jsonl")
+  keep = _killed_after_checkpoint(path)
+  assert ledger_lib.pending(path) == {"group": [], "trajectory": []}
+  led = _resume(path, keep)
+  led.close()
+  assert ledger_lib.audit(path) == []
+  live = ledger_lib.live(path)
+  assert [e["id"] for e in live if e["event"] == "consumed" and e["kind"] == "group"] == [
+      "g0", "g3", "g4"]
+  assert sorted((e["id"], e["reason"]) for e in live if e["event"] == "dropped") == [
+      ("g1", "shutdown"), ("g1/0#0", "shutdown"), ("g2", "shutdown")]
+  total = sum(1 for _ in open(path))
+  assert ledger_lib.summary(path)["rolled_back"] == 5 and ledger_lib.summary(path)["runs"] == 2
+  assert len(ledger_lib.read(path)) == total            # nothing truncated
+
+  # The resume that did not roll back (the bug this fixes): prompts 1 and 2 consumed twice,
+  # updates 1 and 2 in two runs.
+  bad = str(tmp_path / "no_rollback.jsonl")
+  keep = _killed_after_checkpoint(bad)
+  _resume(bad, keep=sum(1 for _ in open(bad))).close()
+  problems = ledger_lib.audit(bad)
+  assert any("prompt 1 consumed 2 times: group g1" in p and "group g3" in p for p in problems)
+  assert any("prompt 2 consumed 2 times" in p for p in problems)
+  assert any("update 1 consumed groups in runs [0, 1]" in p for p in problems)
+
+  # A process of the rolled-back run still writing after run 1 started.
+  zombie = str(tmp_path / "zombie.jsonl")
+  keep = _killed_after_checkpoint(zombie)
+  led = _resume(zombie, keep)
+  led.close()
+  with open(zombie, "a") as f:
+    f.write(json.dumps({"t": 9, "id": "g2", "kind": "group", "event": "dropped",
+                        "reason": "stale", "run": 0}) + "\n")
+  problems = ledger_lib.audit(zombie)
+  assert len(problems) == 1 and "group g2 dropped of run 0, written while run 1 runs" in \
+      problems[0]
+
+  # Markers that do not make sense: keeping lines past the marker, runs not increasing.
+  odd = str(tmp_path / "odd.jsonl")
+  lines = open(path).read().splitlines()
+  marker = [i for i, x in enumerate(lines) if '"kind": "run"' in x][1]
+  with open(odd, "w") as f:
+    for i, x in enumerate(lines):
+      e = json.loads(x)
+      if i == marker:
+        e = {**e, "keep": len(lines) + 5}
+      f.write(json.dumps(e) + "\n")
+  assert any("malformed run marker" in p for p in ledger_lib.audit(odd))
+  with open(odd, "w") as f:
+    for i, x in enumerate(lines):
+      f.write(json.dumps({**json.loads(x), "run": 0} if i == marker else json.loads(x)) + "\n")
+  assert any("run 0 starts after run 0" in p for p in ledger_lib.audit(odd))
+  with pytest.raises(ValueError, match="keep=99"):
+    ledger_lib.Ledger.open(path).begin(0, 99)
+
+
+def test_ledger_without_a_finished_checkpoint_keeps_the_file_and_rolls_it_all_back(tmp_path):
+  """SIGKILL before the first checkpoint was finished: the rerun starts from update 0 with
+  keep=0; the killed run's events stay in the file, rolled back, and ids continue."""
+  path = str(tmp_path / "rollouts.jsonl")
+  _killed_after_checkpoint(path)
+  before = open(path).read()
+  led = ledger_lib.Ledger.open(path)
+  assert led.run == 1 and led.lines == before.count("\n")
+  led.begin(0, 0)
+  assert ledger_lib.pending(path) == {"group": [], "trajectory": []}
+  led.admitted("g5", prompt_index=0)
+  led.finished("g5/0#0")
+  led.consumed("g5/0#0", "trajectory", update=0)
+  led.consumed("g5", "group", update=0)
+  led.close()
+  assert open(path).read().startswith(before)
+  assert ledger_lib.audit(path) == []
+  assert [e["id"] for e in ledger_lib.live(path)] == ["g5", "g5/0#0", "g5/0#0", "g5"]
+
+
+def test_control_round_trips_the_ledger_length_and_running_totals():
+  ctl = async_loop.Control(seed=3)
+  totals = {"counts": {"status_ok": 7, "dropped_stale": 2}, "spans": {"0": 3, "1": 4},
+            "wall_s": 12.5, "wait_s": 1.5, "busy_s": [3.0], "prefix_tokens": [10, 40],
+            "compile_s": 4.0, "compiles": 9}
+  d = json.loads(json.dumps(ctl.to_json([5, 6], 123, totals)))
+  back = async_loop.Control(seed=3)
+  back.load(d)
+  assert back.ledger_lines == 123 and back.totals == totals
+  assert list(back.requeue) == [5, 6]
+  old = {k: v for k, v in d.items() if k not in ("ledger_lines", "totals")}
+  back.load(old)                         # a checkpoint from before the fields: keep all
+  assert back.ledger_lines is None and back.totals == {}
 
 
 def test_ledger_concurrent_writers_write_whole_json_lines(tmp_path):

@@ -103,6 +103,14 @@ def stream_of(rollout_id: str, turn: int) -> int:
   return int.from_bytes(digest, "big") & 0x7FFFFFFF
 
 
+def first_prompt(problem, tokenizer, *, enable_thinking: bool, system: str | None = None
+                 ) -> list[int]:
+  """The ids an episode of `problem` submits first: [system?, user], the assistant's turn
+  opened."""
+  return chat.render_prompt({"messages": problem_lib.prompt_messages(problem, system=system)},
+                            tokenizer, enable_thinking=enable_thinking).tolist()
+
+
 class Episode:
   """One rollout of one problem as a multi-turn tool episode (module docstring)."""
 

@@ -45,9 +45,11 @@ recomputes each token's log-prob (and the DSA top-k) under the version that samp
 kept: `logp_unmeasured_tokens`).
 
 Checkpoints hold the TrainState and the control state (update and version counters, consumed
-groups, the prompt cursor, the prompts in flight, which a resumed run admits first) as item
-"control" of the same orbax step. The run is asynchronous, so a resumed run is not bitwise
-the uninterrupted one.
+groups, the prompt cursor, the prompts in flight, which a resumed run admits first, the
+ledger's length and the metrics' running totals) as item "control" of the same orbax step.
+A resumed run rolls back what a killed run ledgered after that checkpoint (rl/ledger.py),
+so no prompt counts twice. The run is asynchronous, so a resumed run is not bitwise the
+uninterrupted one.
 """
 
 from __future__ import annotations
@@ -189,24 +191,32 @@ def consistency(logprobs, snapshots: dict, batch, segs, dev=None) -> dict:
 
 
 class Control:
-  """The trainer's counters and queues that a checkpoint holds (besides params, optimizer)."""
+  """The trainer's counters and queues that a checkpoint holds (besides params, optimizer):
+  also the ledger's length at the save (what a resume keeps of it, rl/ledger.py) and the
+  metrics' running totals (`totals`: counts, staleness histogram, wall, idle and compile
+  time), which a resumed run continues from."""
 
   def __init__(self, seed: int):
     self.update = self.version = self.consumed = self.admitted = self.cursor = 0
     self.requeue: collections.deque = collections.deque()   # pristine prompt indices
     self.rng = np.random.default_rng(grpo.seed_of(seed, 11))
+    self.ledger_lines: int | None = None      # None: a checkpoint from before the field
+    self.totals: dict = {}
 
-  def to_json(self, in_flight) -> dict:
+  def to_json(self, in_flight, ledger_lines: int, totals: dict) -> dict:
     return {"update": self.update, "version": self.version, "consumed": self.consumed,
             "admitted": self.admitted, "cursor": self.cursor,
             "requeue": list(self.requeue) + sorted(in_flight),
-            "rng": self.rng.bit_generator.state}
+            "rng": self.rng.bit_generator.state, "ledger_lines": ledger_lines,
+            "totals": totals}
 
   def load(self, d: dict):
     for f in ("update", "version", "consumed", "admitted", "cursor"):
       setattr(self, f, int(d[f]))
     self.requeue = collections.deque(int(i) for i in d["requeue"])
     self.rng.bit_generator.state = d["rng"]
+    self.ledger_lines = d.get("ledger_lines")
+    self.totals = d.get("totals") or {}
 
 
 
@@ -311,23 +321,33 @@ class AsyncTrainer:
                        f"on the trainer's mesh; expected a multiple of its batch axes "
                        f"({self.rows_multiple})")
     self.heldout = tasks_lib.heldout_problems(self.task, r, c.seed)
+    sample = self.heldout + self.task.problems("train", 64, grpo.seed_of(c.seed, 12))
+    tasks_lib.check_prompts_fit(
+        [len(agent_lib.first_prompt(p, self.tok, enable_thinking=r.enable_thinking))
+         for p in sample], r, "held-out problems and a sample of training ones")
     self.forward = policy.jitted_forward(cfg, chunk_size=r.logprob_chunk, mesh=mesh,
                                          param_sh=param_sh, batch_sh=self.batch_sh)
     grpo.warn_without_batch_invariance()
 
   def save_items(self) -> dict:
     in_flight = [i for i, _ in self.in_flight.values()] + [g.prompt_index for g in self.ready]
-    return {"control": ocp.args.JsonSave(self.ctl.to_json(in_flight))}
+    return {"control": ocp.args.JsonSave(self.ctl.to_json(in_flight, self.ledger.lines,
+                                                          self._totals()))}
 
   def restore_items(self) -> dict:
     return {"control": ocp.args.JsonRestore()}
 
   def load(self, restored: dict) -> None:
     self.ctl.load(restored["control"])
+    t = self.ctl.totals
+    self.counts = collections.Counter(t.get("counts", {}))
+    self.spans = collections.Counter({int(k): v for k, v in t.get("spans", {}).items()})
+    self.wait_s = float(t.get("wait_s", 0.0))
 
   def start(self, state, resumed: bool) -> None:
-    """Opens the ledger (on resume: what a killed run left open is ledgered dropped)."""
-    timing.compile_seconds()        # count compilations from here (metrics "compile_s")
+    """Opens the ledger as this run (rl/ledger.py: what a killed run wrote after the
+    checkpoint is rolled back, what it left open at the checkpoint ledgered dropped)."""
+    self._compile0 = timing.compile_seconds()  # count compilations from here ("compile_s")
     self.ledger = self._open_ledger(resumed)
 
   def prepare(self, state) -> list:
@@ -410,13 +430,8 @@ class AsyncTrainer:
       self.ctl.version += 1
       self._publish(state.params)
       state = reset_optimizer(state)                   # at every push (GLM-5 §3)
-    wall = time.perf_counter() - self.t_loop
-    busy = [sum(s.get("busy_s", 0.0) for (w, _), s in self.worker_stats.items() if w == wid)
-            for wid in range(r.workers)]
-    prefix = routing.PrefixStats()
-    for s in self.worker_stats.values():
-      prefix.record(s.get("cached_prompt_tokens", 0), s.get("prompt_tokens", 0))
-    compile_s, compiles = timing.compile_seconds()      # this process (local workers too)
+    t = self._totals()
+    wall, busy = t["wall_s"], t["busy_s"]
     m = dict(reward_mean=float(rewards.mean()), success_rate=float(np.mean(rewards >= 1.0)),
              staleness_mean=float(np.mean(spans)), staleness_max=float(max(spans)),
              segments=float(len(self._segs)), version=float(self.ctl.version),
@@ -425,12 +440,33 @@ class AsyncTrainer:
     for k in ("pull_bytes", "pull_s", "pull_rss_growth_bytes"):   # the replicas' latest
       m[f"{k}_max"] = float(max([s.get(k, 0.0) for s in self.worker_stats.values()] or [0.0]))
     m.update({f"staleness_hist_{k}": float(v) for k, v in sorted(self.spans.items())})
-    m.update(trainer_idle_ratio=self.wait_s / max(wall, 1e-9), compile_s=compile_s,
-             compiles=float(compiles),
+    cached, prompt = t["prefix_tokens"]
+    m.update(trainer_idle_ratio=self.wait_s / max(wall, 1e-9), compile_s=t["compile_s"],
+             compiles=float(t["compiles"]),
              rollout_idle_ratio=1.0 - (float(np.mean(busy)) / max(wall, 1e-9) if busy else 0.0),
-             prefix_hit_rate=prefix.hit_rate, wall_s=wall, **self.store.last_push,
-             push_rss_growth_bytes=self.push_rss_growth)
+             prefix_hit_rate=cached / prompt if prompt else 0.0, wall_s=wall,
+             **self.store.last_push, push_rss_growth_bytes=self.push_rss_growth)
     return state, m
+
+  def _totals(self) -> dict:
+    """The metrics' running totals over every run of this workdir: the checkpoint's
+    (`Control.totals`) plus this run's. Counts and histogram are the live counters."""
+    base = self.ctl.totals
+    wall = base.get("wall_s", 0.0) + (time.perf_counter() - self.t_loop if self.t_loop else 0.0)
+    busy = [sum(s.get("busy_s", 0.0) for (w, _), s in self.worker_stats.items() if w == wid)
+            for wid in range(self.r.workers)]
+    base_busy = base.get("busy_s", [])
+    busy = [b + (base_busy[w] if w < len(base_busy) else 0.0) for w, b in enumerate(busy)]
+    cached, prompt = base.get("prefix_tokens", [0, 0])
+    for s in self.worker_stats.values():
+      cached, prompt = cached + s.get("cached_prompt_tokens", 0), prompt + s.get(
+          "prompt_tokens", 0)
+    compile_s, compiles = timing.compile_seconds()      # this process (local workers too)
+    return {"counts": dict(self.counts), "spans": {str(k): v for k, v in self.spans.items()},
+            "wall_s": wall, "wait_s": self.wait_s, "busy_s": busy,
+            "prefix_tokens": [cached, prompt],
+            "compile_s": base.get("compile_s", 0.0) + compile_s - self._compile0[0],
+            "compiles": base.get("compiles", 0) + compiles - self._compile0[1]}
 
   def evaluate(self, state, step: int) -> dict:
     """Greedy multi-turn episodes on held-out problems under the current params, on an
@@ -505,16 +541,35 @@ class AsyncTrainer:
     self.push_rss_growth = float(peak.growth)
 
   def _open_ledger(self, resumed: bool):
-    """A new ledger, or on resume the old one with what a killed run left open ledgered as
-    dropped ("shutdown") and group ids continuing after every id it holds."""
+    """The workdir's ledger, opened as this run (rl/ledger.py): it keeps what the ledger
+    held at the checkpoint it resumes from (all of it for a checkpoint from before the
+    ledger's length was saved; none without a finished checkpoint), rolls the rest back,
+    ledgers what is still open at the checkpoint as dropped ("shutdown"), and continues
+    group ids after every id the file holds. Never truncated."""
     path = os.path.join(self.workdir, "rollouts.jsonl")
-    if not resumed:
-      return ledger_lib.Ledger(path, clock=self.clock)
     ledger = ledger_lib.Ledger.open(path, clock=self.clock)
+    keep = 0
+    if resumed:
+      keep = ledger.lines if self.ctl.ledger_lines is None else self.ctl.ledger_lines
+      if keep > ledger.lines:
+        raise ValueError(f"{path} has {ledger.lines} lines, but the checkpoint of update "
+                         f"{self.ctl.update} was saved when it had {keep}: the ledger was "
+                         "replaced or cut; restore it, or start a new --workdir")
+    if ledger.lines:
+      partial = sorted(d for d in os.listdir(os.path.join(self.workdir, "checkpoints"))
+                       if "tmp" in d) if os.path.isdir(
+                           os.path.join(self.workdir, "checkpoints")) else []
+      logging.warning(
+          "[rl_async] %s: run %d continues from %s; the ledger's %d lines after line %d "
+          "(an earlier run's work after that point) are rolled back, kept in the file%s",
+          path, ledger.run, f"update {self.ctl.update}" if resumed else
+          "update 0 (no finished checkpoint)", ledger.lines - keep, keep,
+          f" (unfinished checkpoints: {partial})" if partial else "")
+    ledger.begin(self.ctl.update, keep, version=self.ctl.version)
     for kind, ids in ledger_lib.pending(path).items():
       for i in ids:
         ledger.write(i, kind, "dropped", reason="shutdown")
-    gids = [int(e["id"][1:]) for e in ledger_lib.read(path)
+    gids = [int(e["id"][1:]) for e in ledger_lib.events(path)
             if e.get("kind") == "group" and e.get("event") == "admitted"]
     self.ctl.admitted = max([self.ctl.admitted] + [g + 1 for g in gids])
     return ledger

@@ -165,6 +165,10 @@ class GRPO:
                        f"{n // r.minibatches} rollouts does not divide over the mesh's batch "
                        f"axes data*fsdp*expert={n_bat}")
     self.heldout = tasks_lib.heldout_problems(self.task, r, c.seed)
+    sample = self.heldout + self.task.problems("train", r.prompts_per_step, seed_of(c.seed, 0, 1))
+    tasks_lib.check_prompts_fit(
+        [len(rollout_lib.prompt_ids(self.task, p, self.tok, enable_thinking=r.enable_thinking))
+         for p in sample], r, "held-out problems and the first step's")
     self.cfg, self.mesh, self.param_sh = cfg, mesh, param_sh
     self.context = mesh.shape["context"]
     self.sharded = mesh.size > 1

@@ -9,6 +9,7 @@ the model shape so that a workdir of a different model is refused. A corrupt lat
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging as std_logging
@@ -23,11 +24,25 @@ import jax
 import orbax.checkpoint as ocp
 
 
+_DISK_FULL = ("No space left on device", "os_error_code='28'")
+
+
+def _disk_full(text: str) -> bool:
+  return any(m in text for m in _DISK_FULL)
+
+
 class _QuietOrbax:
-  """Drops orbax's INFO chatter (dozens of lines per save) from the absl log."""
+  """Drops orbax's INFO chatter (dozens of lines per save) from the absl log, and the pages
+  of tracebacks its background threads log for a save that found the disk full: that error
+  reaches the training loop, which reports it in one line (`saving`)."""
 
   def filter(self, record) -> bool:
-    return record.levelno >= 30 or "orbax" not in record.pathname
+    if "orbax" not in record.pathname:
+      return True
+    if record.levelno < 30:
+      return False
+    exc = record.exc_info[1] if record.exc_info else None
+    return not _disk_full(record.getMessage() + (repr(exc) if exc else ""))
 
 
 def quiet_orbax():
@@ -122,6 +137,43 @@ def restore(mngr: ocp.CheckpointManager, step: int, abstract_state, data_iter, i
     args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
   out = mngr.restore(step, args=ocp.args.Composite(**args))
   return {k: out[k] for k in args if k != "data"}
+
+
+class SaveFailed(SystemExit):
+  """A checkpoint could not be written (disk full, permissions): exits 1 with one line
+  naming the path and the error; the checkpoints saved before are intact."""
+
+
+@contextlib.contextmanager
+def saving(mngr: ocp.CheckpointManager, workdir: str):
+  """Turns a failed save (also one that failed in orbax's background thread and surfaces in
+  a later call: the next save, a wait, close) into `SaveFailed`; removes the unfinished
+  step directory, so that the space it took is free again."""
+  _mute_aftermath()       # tensorstore's callbacks into a failed write's closed event loop
+  try:
+    yield
+  except SaveFailed:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    cause, chain, x = _root_cause(e), [], e
+    while x is not None and len(chain) < 10:
+      chain.append(str(x))
+      x = x.__cause__ or x.__context__
+    text = " ".join(chain)
+    if not (isinstance(e, OSError) or _disk_full(text) or "RESOURCE_EXHAUSTED" in text):
+      raise
+    root = str(mngr.directory)
+    partial = [d for d in (os.listdir(root) if os.path.isdir(root) else []) if "tmp" in d]
+    for d in partial:
+      shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+    good = [st for st in (mngr.all_steps() or [])]
+    if _disk_full(text):
+      cause = "[Errno 28] No space left on device"
+    raise SaveFailed(
+        f"saving a checkpoint in {root} failed: {cause}. The last good checkpoint "
+        f"({max(good) if good else 'none'}) in {workdir} is intact; free space (or use "
+        "another --workdir) and rerun to continue from it"
+        + (f" (removed the unfinished {partial})" if partial else "")) from None
 
 
 class CorruptCheckpoint(ValueError):

@@ -25,6 +25,15 @@ def positive(v, c) -> bool:
   return _int(v) and v >= 1
 
 
+def between(lo, hi) -> Callable[[Any, Any], bool]:
+  """An int in [lo, hi]; `hi` may be a function of the config."""
+  return lambda v, c: _int(v) and lo <= v <= (hi(c) if callable(hi) else hi)
+
+
+def _in_range(lo, hi, what=""):
+  return f"an integer in [{lo}, {hi}]{what}"
+
+
 def _profile(v, c) -> bool:
   del c
   return not v or (len(v) == 2 and 0 <= v[0] < v[1])
@@ -44,6 +53,8 @@ def _divides_rollouts(v, c) -> bool:
 
 
 _COUNT = "an integer >= 1"
+_MAX_GROUP, _MAX_PROBLEMS, _MAX_PROMPTS, _MAX_LEN = 4096, 100_000, 65_536, 1 << 20
+_MAX_WORKERS, _MAX_TURNS = 1024, 1024
 
 COMMON = [
     ("total_steps", positive, _COUNT),
@@ -75,15 +86,25 @@ RL = COMMON + [
      "log-probs, which are the sampling distribution's only at 1"),
     ("rl.eps_low", lambda v, c: v >= 0.0, ">= 0 (the lower bound is 1 - eps_low)"),
     ("rl.eps_high", lambda v, c: v >= 0.0, ">= 0 (the upper bound is 1 + eps_high)"),
+    # Upper bounds: a count past them is a typo, and drawing that many distinct problems
+    # (or slots, or groups) would run for hours before the first line of output.
+    ("rl.group_size", between(2, _MAX_GROUP), _in_range(2, _MAX_GROUP, " (group-relative "
+     "advantages)")),
+    ("rl.eval_problems", between(1, _MAX_PROBLEMS), _in_range(1, _MAX_PROBLEMS,
+     " (held-out problems)")),
+    ("rl.max_len", between(2, _MAX_LEN), _in_range(2, _MAX_LEN, " (engine rows per "
+     "sequence)")),
+    ("rl.max_new_tokens", between(1, lambda c: c.rl.max_len - 1),
+     "an integer in [1, config.rl.max_len - 1] (a prompt takes at least one row)"),
 ] + [(f"rl.{f}", positive, _COUNT) for f in (
-    "max_new_tokens", "max_len", "prefill_chunk", "steps_per_sync", "logprob_chunk",
-    "eval_every", "checkpoint_every", "eval_problems")]
+    "prefill_chunk", "steps_per_sync", "logprob_chunk", "eval_every", "checkpoint_every")]
 
 GRPO = RL + [
     ("rl.icepop_beta", lambda v, c: v >= 1.0, ">= 1 (the IcePop band is [1/beta, beta])"),
     ("rl.minibatches", _divides_rollouts, ">= 2 (so the clip acts) and a divisor of the "
      "rollouts per step (group_size * prompts_per_step)"),
-] + [(f"rl.{f}", positive, _COUNT) for f in ("prompts_per_step",)]
+    ("rl.prompts_per_step", between(1, _MAX_PROMPTS), _in_range(1, _MAX_PROMPTS)),
+]
 
 ASYNC = RL + [
     ("rl.backend", lambda v, c: v in ("local", "ray", "distributed"),
@@ -100,9 +121,20 @@ ASYNC = RL + [
      "an int >= 0 (0 = tau + 1: every version a consumed token may carry)"),
     ("rl.faults.env_crash_rate", lambda v, c: 0.0 <= v <= 1.0, "a probability"),
     ("rl.faults.slow_env_tail", lambda v, c: 0.0 <= v <= 1.0, "a probability"),
-] + [(f"rl.{f}", positive, _COUNT) for f in (
-    "groups_per_update", "updates_per_publish", "workers", "rollout_devices", "engine_batch",
-    "max_turns", "tool_threads", "max_groups_in_flight")]
+    ("rl.groups_per_update", between(1, _MAX_PROMPTS), _in_range(1, _MAX_PROMPTS)),
+    ("rl.max_groups_in_flight", between(1, _MAX_PROMPTS), _in_range(1, _MAX_PROMPTS)),
+    # Admission never lets more than max_groups_in_flight groups run or wait: fewer than one
+    # update's worth and no update can ever be taken.
+    ("rl.groups_per_update", lambda v, c: v <= c.rl.max_groups_in_flight,
+     "<= config.rl.max_groups_in_flight (admission caps the groups running or ready at it; "
+     "an update needs groups_per_update of them at once)"),
+    ("rl.workers", between(1, _MAX_WORKERS), _in_range(1, _MAX_WORKERS)),
+    ("rl.tool_threads", between(1, _MAX_WORKERS), _in_range(1, _MAX_WORKERS)),
+    ("rl.max_turns", between(1, _MAX_TURNS), _in_range(1, _MAX_TURNS, " (assistant turns "
+     "per episode)")),
+    ("rl.episodes_per_worker", between(1, _MAX_PROMPTS), _in_range(1, _MAX_PROMPTS)),
+    ("rl.engine_batch", between(1, _MAX_PROMPTS), _in_range(1, _MAX_PROMPTS)),
+] + [(f"rl.{f}", positive, _COUNT) for f in ("updates_per_publish", "rollout_devices")]
 
 TABLE = {"pretrain": LM, "midtrain": LM, "dsa_warmup": LM, "dsa_sparse": LM, "sft": LM,
          "rl": GRPO, "rl_async": ASYNC}

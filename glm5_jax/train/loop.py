@@ -6,8 +6,9 @@ what trains, the loss) and where their batches come from (a batch source). Every
 is here, once:
 
   * config checks (train/checks.py tables), then jax.distributed (config.distributed or the
-    TPU environment) and the mesh `data, fsdp, context, expert, tensor` over the first
-    `config.num_devices` devices;
+    TPU environment), the workdir's lock and the run it holds (train/workdir.py: one run
+    per workdir; a resume that changes the run's defining fields refused), the mesh
+    `data, fsdp, context, expert, tensor` over the first `config.num_devices` devices;
   * parameters and optimizer state created or restored directly in their shardings (the
     `init_from` checkpoint read per process into them); exact resume from
     WORKDIR/checkpoints/<step>/ (orbax: the TrainState plus the source's items);
@@ -17,8 +18,8 @@ is here, once:
   * metrics to WORKDIR/metrics.jsonl and TensorBoard with progress, ETA and MFU (evaluation
     and checkpoint time left out), a non-finite loss or gradient stopping the run with the
     last good checkpoint intact;
-  * coordinated preemption (SIGTERM on any process stops every process at one step with one
-    checkpoint, train/preemption.py), the checkpoint of a step saved before its evaluation,
+  * coordinated preemption (SIGTERM or Ctrl-C on any process stops every process at one
+    step with one checkpoint, train/preemption.py), the checkpoint of a step saved before its evaluation,
     a run stopped in between evaluating first when resumed; `profile_steps` writes a
     jax.profiler trace to WORKDIR/profile.
 
@@ -50,6 +51,7 @@ from glm5_jax.train import lm_data
 from glm5_jax.train import metrics as metrics_lib
 from glm5_jax.train import preemption
 from glm5_jax.train import step as step_lib
+from glm5_jax.train import workdir as workdir_lib
 
 
 class Source(Protocol):
@@ -253,8 +255,9 @@ def run(c, workdir: str, source: Source | None = None) -> dict:
   with batches from `source` (default: the corpus or conversations of an LM stage).
 
   Returns the final metrics (last train step and evaluation); a run already finished returns
-  them read back from its metrics.jsonl. SIGTERM on any process stops every process at one
-  step with one checkpoint, then raises `preemption.Preempted` (exit 0 when uncaught).
+  them read back from its metrics.jsonl. SIGTERM (or SIGINT) on any process stops every
+  process at one step with one checkpoint, then raises `preemption.Preempted` (exit 0 when
+  uncaught).
   """
   ckpt_lib.quiet_orbax()
   validate_config(c)
@@ -263,14 +266,42 @@ def run(c, workdir: str, source: Source | None = None) -> dict:
                      "`python -m experiments.rl` (glm5_jax.rl.grpo) or "
                      "`python -m experiments.rl_async` (glm5_jax.rl.async_loop)")
   maybe_initialize_distributed(c)
+  held = claim(c, workdir, source is not None and source.solo)   # before anything is written
   # After jax.distributed, whose preemption service installs its own SIGTERM handler; before
   # compiling, so that a signal then stops the run after its first step.
-  source = lm_data.LMSource(c) if source is None else source
-  with preemption.Preemption(solo=source.solo) as preempt:
+  try:
+    source = lm_data.LMSource(c) if source is None else source
+    with preemption.Preemption(solo=source.solo) as preempt:
+      try:
+        return _run(c, workdir, source, preempt)
+      finally:
+        source.close()
+  finally:
+    if held:
+      workdir_lib.release(held)
+
+
+def claim(c, workdir: str, solo: bool = False) -> str | None:
+  """Process 0 locks the workdir and checks the run it holds (train/workdir.py); the other
+  processes join, raising too if process 0 was refused. The lock's path (process 0) or
+  None."""
+  held, err = None, None
+  if jax.process_index() == 0:
     try:
-      return _run(c, workdir, source, preempt)
-    finally:
-      source.close()
+      held = workdir_lib.acquire(workdir)
+      workdir_lib.check_run(workdir, c)
+    except (workdir_lib.WorkdirInUse, workdir_lib.ChangedRun) as e:
+      if held:
+        workdir_lib.release(held)
+      held, err = None, e
+  if jax.process_count() > 1 and not solo:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    ok = int(multihost_utils.broadcast_one_to_all(np.int32(err is None)))
+    if not ok and err is None:
+      err = RuntimeError(f"process 0 refused workdir {workdir!r} (its log says why)")
+  if err is not None:
+    raise err
+  return held
 
 
 def _run(c, workdir: str, source: Source, preempt) -> dict:
@@ -333,7 +364,8 @@ def _run(c, workdir: str, source: Source, preempt) -> dict:
     for s, per_batch, host in jax.device_get(pending):
       m = _mean_rows(per_batch)
       if not all(np.isfinite(v) for v in m.values()):
-        mngr.wait_until_finished()
+        with ckpt_lib.saving(mngr, workdir):
+          mngr.wait_until_finished()
         raise FloatingPointError(
             f"non-finite loss or gradient at step {s} ({m}); stopping. The last good "
             f"checkpoint ({mngr.latest_step()}) in {workdir} is intact.")
@@ -406,20 +438,22 @@ def _run(c, workdir: str, source: Source, preempt) -> dict:
       if log or source.blocking:
         flush(step, log)                                # also the non-finite check
       if save:                                          # before evaluating: an evaluation
-        with _Timed(progress, state):                   # failure loses no training
-          ckpt_lib.save(mngr, step, state, force=True, items=source.save_items())
+        with _Timed(progress, state), ckpt_lib.saving(mngr, workdir):  # failure loses no
+          ckpt_lib.save(mngr, step, state, force=True, items=source.save_items())  # training
       if stop:
         break
       if eval_due(step):
         with _Timed(progress, state):
           eval_and_write(step)
     tracing = _profile(c, workdir, step, tracing)
-    mngr.wait_until_finished()
+    with ckpt_lib.saving(mngr, workdir):
+      mngr.wait_until_finished()
   finally:
     if tracing:
       jax.profiler.stop_trace()
     writer.close()
-    mngr.close()
+    with ckpt_lib.saving(mngr, workdir):              # a save failed in the background
+      mngr.close()
   if stop:
     raise preemption.Preempted(step, workdir)
   if start == c.total_steps:                            # finished earlier: read back

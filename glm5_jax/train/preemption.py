@@ -1,9 +1,11 @@
-"""Coordinated preemption: SIGTERM on any process stops every process at the same step.
+"""Coordinated preemption: SIGTERM (or Ctrl-C) on any process stops every process at one step.
 
 A scheduler may signal one process of a run (or all of them, at different moments). Each
 process records the signal locally; `Preemption.should_stop(step)` then agrees on it with
 the others (an all-gather of the local flags, a max) so that all of them stop after the
 same step, save one checkpoint together and exit 0. One process alone needs no agreement.
+SIGINT (Ctrl-C) is handled as SIGTERM; a second SIGINT raises KeyboardInterrupt at once
+(no checkpoint: the rerun resumes from the last one).
 
 Every loop uses it the same way (train/loop.py, rl/grpo.py; the main job's stages inherit
 it through them):
@@ -40,24 +42,33 @@ class Preempted(SystemExit):
     return f"preempted: checkpointed step {self.step} in {self.workdir}; rerun to continue"
 
 
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
 class Preemption:
-  """SIGTERM -> a local flag; `should_stop` agrees on it across processes.
+  """SIGTERM or SIGINT -> a local flag; `should_stop` agrees on it across processes.
 
   Install it in the main thread (elsewhere signals cannot be caught: then only a flag set
-  by `request()` stops the run). `close()` puts the previous handler back.
+  by `request()` stops the run). `close()` puts the previous handlers back.
   """
 
   def __init__(self, solo: bool = False):
     self.solo = solo                # this process trains alone: no other process to ask
     self._local = False
+    self._old = {}
     try:
-      self._old = signal.signal(signal.SIGTERM, self._handler)
+      for s in SIGNALS:
+        self._old[s] = signal.signal(s, self._handler)
     except ValueError:                                 # not in the main thread
-      self._old = None
+      self._old = {}
 
-  def _handler(self, *_):
-    logging.warning("SIGTERM on process %d: all processes stop and checkpoint at the next "
-                    "agreed step", jax.process_index())
+  def _handler(self, signum, _):
+    name = signal.Signals(signum).name
+    if signum == signal.SIGINT and self._local:
+      raise KeyboardInterrupt("second SIGINT: stopping now, without a checkpoint")
+    again = " (SIGINT again: stop now, without a checkpoint)" if signum == signal.SIGINT else ""
+    logging.warning("%s on process %d: all processes stop and checkpoint at the next "
+                    "agreed step%s", name, jax.process_index(), again)
     self._local = True
 
   def request(self):
@@ -78,9 +89,9 @@ class Preemption:
     return stop
 
   def close(self):
-    if self._old is not None:
-      signal.signal(signal.SIGTERM, self._old)
-      self._old = None
+    for s, old in self._old.items():
+      signal.signal(s, old)
+    self._old = {}
 
   def __enter__(self):
     return self

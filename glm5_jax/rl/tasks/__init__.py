@@ -166,6 +166,26 @@ def from_config(r) -> Task:
                      f"the chosen task's options): {e}") from None
 
 
+def check_prompts_fit(lengths, r, what: str) -> None:
+  """Refuses an `rl` section in which the task's prompts (token `lengths` of `what`, e.g. its
+  held-out problems) leave no room to answer, or that a context policy would rewrite on
+  every turn. The sync and async entry points share it (their fields mean the same)."""
+  longest = max(lengths)
+  if longest + 1 > r["max_len"]:
+    raise ValueError(
+        f"config.rl.max_len={r['max_len']}: the task's prompts take up to {longest} tokens "
+        f"({what}); expected >= {longest + 1} (the prompt and one generated token), "
+        f"{longest + r['max_new_tokens']} for a full answer of config.rl.max_new_tokens="
+        f"{r['max_new_tokens']}")
+  ctx = r.get("context")
+  if ctx is not None and ctx["kind"] != "none" and ctx["max_tokens"] and (
+      ctx["max_tokens"] < longest):
+    raise ValueError(
+        f"config.rl.context.max_tokens={ctx['max_tokens']}: below the task's prompts (up to "
+        f"{longest} tokens, {what}), so config.rl.context.kind={ctx['kind']!r} would rewrite "
+        f"every turn; expected >= {longest}")
+
+
 def heldout_problems(task: Task, r, seed: int) -> list:
   """The `rl.eval_problems` held-out problems of `task` for `seed`; errors name the field."""
   try:
