@@ -8,6 +8,42 @@ import os
 from glm5_jax.train import metrics as metrics_lib
 
 
+# What a new machine can expect from `bash launch/local.sh main` (docs/main_job.md, "What a
+# run gives"): (path in summary.json, low, high), the range over the runs measured there
+# (seeds and machines). The summary names every number of a run outside its range.
+# Pretraining (seed 0): two AMD EPYC machines agreed to 4 digits. Post-training: 3 seeds
+# (config.seed 0, 1, 2) of SFT + GRPO from the same pretraining, on the development machine.
+EXPECTED = (
+    ("stages.pretrain.eval_loss", 2.425, 2.435),
+    ("stages.dsa_sparse.eval_loss", 2.44, 2.455),
+    ("post_training.sft_eval_loss", 0.24, 0.30),
+    ("post_training.heldout_accuracy_after_sft", 0.18, 0.45),
+    ("post_training.heldout_accuracy_after_grpo", 0.46, 0.67),
+    ("post_training.grpo_gain", 0.16, 0.29),
+)
+
+
+def _at(summary: dict, path: str):
+  node = summary
+  for k in path.split("."):
+    if not isinstance(node, dict) or node.get(k) is None:
+      return None
+    node = node[k]
+  return node
+
+
+def outside_expected(summary: dict, expected=EXPECTED) -> list[str]:
+  """The summary's numbers outside the ranges a new machine can expect (EXPECTED)."""
+  out = []
+  for path, lo, hi in expected:
+    v = _at(summary, path)
+    if v is None or lo is None or (lo <= v <= hi):
+      continue
+    out.append(f"{path} = {v:.4g}, outside the range [{lo:.4g}, {hi:.4g}] measured in "
+               "docs/main_job.md")
+  return out
+
+
 def _final_metrics(result: dict, workdir: str) -> dict:
   """The stage's last value of every metric: what `run` returned, over its metrics.jsonl
   (a stage finished by an earlier run, or resumed after a preemption, is read back)."""
@@ -53,7 +89,8 @@ def summarize(results, timings, meta, workdir):
         "heldout_accuracy_after_sft": acc[0][1], "heldout_accuracy_after_grpo": acc[-1][1],
         "heldout_problems": _final_metrics({}, rl_dir).get("heldout_problems"),
         "grpo_steps": len(steps), **_consistency(steps),
-        "sft_eval_loss": rows["sft"]["eval_loss"]}
+        "sft_eval_loss": rows["sft"]["eval_loss"],
+        "grpo_gain": None if None in (acc[0][1], acc[-1][1]) else acc[-1][1] - acc[0][1]}
   if "rl_async" in results:
     a_dir = os.path.join(workdir, "rl_async")
     acc = [(m["step"], m["heldout_success_rate"]) for m in metrics_lib.read_rows(a_dir)
@@ -64,6 +101,7 @@ def summarize(results, timings, meta, workdir):
         "updates": len(ups), **_consistency(ups),
         "staleness_max": max((m["staleness_max"] for m in ups), default=None),
         "trainer_idle_ratio": ups[-1]["trainer_idle_ratio"] if ups else None}
+  out["outside_expected"] = outside_expected(out)
   return out
 
 
@@ -99,6 +137,10 @@ def table(s) -> str:
         f"async RL ({a['updates']:.0f} updates, staleness <= {a['staleness_max']:.0f}): held-out "
         f"accuracy {a['heldout_accuracy_before']:.3f} -> {a['heldout_accuracy_after']:.3f}; "
         f"{_consistency_text(a)}")
+  for line in s.get("outside_expected", []):
+    lines.append(f"NOTE: {line}")
+  if "outside_expected" in s and not s["outside_expected"]:
+    lines.append("each number docs/main_job.md gives a range for is inside it")
   return "\n".join(lines)
 
 

@@ -132,6 +132,16 @@ def test_summary_reports_grpo_and_the_async_rl_stage(tmp_path):
       "topk_positions_compared": 22.0, "staleness_max": 1.0, "trainer_idle_ratio": 0.2}
   assert ("async RL (2 updates, staleness <= 1): held-out accuracy 0.625 -> 0.750; "
           "|dlogp| max 0, top-k mismatches 0 of 22") in main_job_report.table(s)
+  assert s["post_training"]["grpo_gain"] == 0.125
+  # Every number outside the ranges a new machine can expect is named (eval losses of 1.0,
+  # a GRPO gain of 0.125); with ranges around it, none.
+  out = main_job_report.outside_expected(s)
+  assert any(x.startswith("stages.pretrain.eval_loss = 1, outside the range [2.425, 2.435]")
+             for x in out)
+  assert any(x.startswith("post_training.grpo_gain = 0.125, outside") for x in out)
+  assert "NOTE: post_training.grpo_gain = 0.125" in main_job_report.table(s)
+  assert main_job_report.outside_expected(s, [("post_training.grpo_gain", 0.1, 0.2),
+                                              ("stages.nosuch.eval_loss", 0.0, 0.1)]) == []
 
 
 def test_main_job_writes_its_sft_data_first_and_a_bad_task_option_stops_it(tmp_path):
