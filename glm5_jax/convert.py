@@ -11,6 +11,7 @@ each process reading only its shards (docs/checkpoints.md).
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import jax
@@ -20,6 +21,7 @@ from glm5_jax import nn as gnn
 from glm5_jax import sharding
 from glm5_jax.config import ModelConfig
 from glm5_jax.train import checkpoint
+from glm5_jax.train import workdir as workdir_lib
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -34,10 +36,23 @@ def parse_mesh(text: str) -> dict[str, int]:
   return sizes
 
 
+def check_paths(src: str, dst: str) -> None:
+  """Refuses a destination equal to or inside its source (a workdir would then find its HF
+  copy and load it forever, ignoring later checkpoints), or a source inside it."""
+  a, b = os.path.realpath(src), os.path.realpath(dst)
+  if a == b or b.startswith(a + os.sep) or a.startswith(b + os.sep):
+    where = "is" if a == b else ("is inside" if b.startswith(a + os.sep) else "contains")
+    raise ValueError(f"--dst={dst!r} {where} --src={src!r}: write the conversion to a "
+                     "directory of its own")
+
+
 def hf_to_workdir(hf_dir: str, workdir: str, *, mesh=None, rules=None, step: int = 0,
                   **config_overrides) -> str:
-  cfg, params = hf.load_pretrained(hf_dir, mesh=mesh, rules=rules, **config_overrides)
-  return checkpoint.save_params(workdir, cfg, params, step=step)
+  """Writes the HF checkpoint as a workdir, holding the workdir's lock (train/workdir.py)."""
+  check_paths(hf_dir, workdir)
+  with (workdir_lib.lock(workdir) if jax.process_index() == 0 else contextlib.nullcontext()):
+    cfg, params = hf.load_pretrained(hf_dir, mesh=mesh, rules=rules, **config_overrides)
+    return checkpoint.save_params(workdir, cfg, params, step=step)
 
 
 def restore_sharded(workdir: str, mesh, rules=None) -> tuple[ModelConfig, dict]:
@@ -54,6 +69,7 @@ def restore_sharded(workdir: str, mesh, rules=None) -> tuple[ModelConfig, dict]:
 
 def workdir_to_hf(workdir: str, hf_dir: str, *, mesh=None, rules=None,
                   max_shard_bytes: int = 5 * 2**30) -> str:
+  check_paths(workdir, hf_dir)
   if mesh is None:
     cfg, params = checkpoint.load_model(workdir)
   else:

@@ -154,6 +154,22 @@ def test_orbax_conversion_restores_on_another_mesh(tiny_ckpt, tmp_path):
                           timeout=600)
 
 
+def test_conversion_refuses_a_destination_in_its_source_and_locks_the_workdir(tiny_ckpt,
+                                                                              tmp_path):
+  from glm5_jax import convert  # pylint: disable=g-import-not-at-top
+  from glm5_jax.train import workdir  # pylint: disable=g-import-not-at-top
+  for dst in (str(tiny_ckpt), os.path.join(str(tiny_ckpt), "wd")):
+    with pytest.raises(ValueError, match=r"--dst=.* (is|is inside) --src="):
+      convert.hf_to_workdir(str(tiny_ckpt), dst)
+  with pytest.raises(ValueError, match=r"contains --src="):
+    convert.workdir_to_hf(str(tmp_path / "a" / "wd"), str(tmp_path / "a"))
+  assert not os.path.exists(os.path.join(str(tiny_ckpt), "wd"))
+  wd = str(tmp_path / "wd")
+  with workdir.lock(wd):                     # this process writes it: re-entrant, succeeds
+    convert.hf_to_workdir(str(tiny_ckpt), wd)
+  assert open(os.path.join(wd, "run.lock")).read() == ""
+
+
 # ---- two processes (slow) -----------------------------------------------------------------
 
 def _port():
