@@ -11,6 +11,7 @@ import pytest
 
 from glm5_jax.data import chat
 from glm5_jax.data import tokenizers
+from glm5_jax.inference import GenerationOutput
 from tests.test_tokenizers import write_glm_tokenizer_json
 
 # A tool episode: system, user, a tool-call-only turn, results, an answer, a second user turn.
@@ -425,3 +426,240 @@ def test_render_observation_layout_and_bad_results(tok):
                      "<think>", "</think>")
   with pytest.raises(ValueError, match="results="):
     chat.render_observation("12 C", tok, enable_thinking=True)
+
+
+# --------------------------------------------------------------------------------------
+# The interactive chat (rl/chat_session.py, experiments/chat.py): Ctrl-C, bad input, seeds
+# --------------------------------------------------------------------------------------
+
+def _answer_ids(text: str) -> list[int]:
+  """What a model generates to answer `text` (stop token included), bytes tokenizer."""
+  tok, head = tokenizers.ByteTokenizer(), [{"role": "user", "content": "q"}]
+  prompt = chat.render_prompt(_conv(head), tok)
+  return chat.render(_conv([*head, {"role": "assistant", "content": text}]), tok
+                     ).ids[len(prompt):].tolist()
+
+
+class _SteppingEngine:
+  """Engine sessions, `step`, `cancel` as the Engine has them; turn k's ids are `script[k]`,
+  returned after `steps` calls of `step`; `on_step(k)` runs inside step k (where a real SIGINT
+  lands: in the middle of an engine step)."""
+
+  def __init__(self, script, steps=3, on_step=lambda k: None):
+    self.script, self.steps, self.on_step = list(script), steps, on_step
+    self.open, self.cancelled, self.sampling, self.calls = set(), [], [], 0
+    self._req = None
+
+  def new_session(self):
+    sid = f"s{self.calls}-{len(self.open)}"
+    self.open.add(sid)
+    return sid
+
+  def end_session(self, sid):
+    if self._req and self._req[1] == sid:
+      raise ValueError(f"end_session({sid!r}): a turn is in flight; cancel it first")
+    self.open.remove(sid)
+
+  def submit(self, ids, sampling, *, session_id):
+    del ids
+    self.sampling.append(sampling)
+    self._req = (len(self.sampling), session_id, self.script.pop(0), 0)
+    return [self._req[0]]
+
+  def step(self):
+    rid, sid, ids, n = self._req
+    self.calls += 1
+    self.on_step(self.calls)
+    if n + 1 < self.steps:
+      self._req = (rid, sid, ids, n + 1)
+      return []
+    self._req = None
+    return [GenerationOutput(rid, ids, [0.0] * len(ids), [0] * len(ids), "stop", sid)]
+
+  def wait(self, rids):
+    out = []
+    while not out:
+      out = self.step()
+    assert [o.request_id for o in out] == rids
+    return out
+
+  def cancel(self, rid):
+    assert self._req and self._req[0] == rid
+    self.cancelled.append(rid)
+    self._req = None
+
+
+def _chat(engine, lines, interrupts, **kw):
+  from glm5_jax.inference import SamplingParams  # pylint: disable=g-import-not-at-top
+  from glm5_jax.rl import chat_session  # pylint: disable=g-import-not-at-top
+  out, err = [], []
+  sp = SamplingParams(max_new_tokens=8, seed=kw.pop("seed", 0))
+  msgs = chat_session.run(engine, tokenizers.ByteTokenizer(), lines, sp, write=out.append,
+                          warn=err.append, interrupts=interrupts, **kw)
+  return msgs, out, err
+
+
+def test_sigint_during_a_reply_cancels_it_between_engine_steps_and_the_chat_goes_on():
+  import signal  # pylint: disable=g-import-not-at-top
+  from glm5_jax.rl import chat_session  # pylint: disable=g-import-not-at-top
+  interrupts = chat_session.Interrupts()
+  engine = _SteppingEngine([_answer_ids("never"), _answer_ids("fine")],
+                           on_step=lambda k: k == 2 and interrupts(signal.SIGINT, None))
+  msgs, out, err = _chat(engine, ["hello\n", "again\n"], interrupts)
+  assert out == ["user: hello", "(cancelled)", "user: again", "assistant: fine"]
+  assert engine.cancelled == [1] and engine.calls == 2 + 3 and not engine.open and not err
+  assert msgs == [{"role": "user", "content": "again"},
+                  {"role": "assistant", "content": "fine", "reasoning": None, "tool_calls": []}]
+
+
+def test_sigint_in_the_step_that_finishes_the_turn_drops_the_turn():
+  import signal  # pylint: disable=g-import-not-at-top
+  from glm5_jax.rl import chat_session  # pylint: disable=g-import-not-at-top
+  interrupts = chat_session.Interrupts()
+  engine = _SteppingEngine([_answer_ids("never"), _answer_ids("fine")], steps=1,
+                           on_step=lambda k: k == 1 and interrupts(signal.SIGINT, None))
+  msgs, out, _ = _chat(engine, ["hello\n", "again\n"], interrupts)
+  assert out == ["user: hello", "(cancelled)", "user: again", "assistant: fine"]
+  assert engine.cancelled == [] and not engine.open and len(msgs) == 2   # nothing to cancel
+
+
+def test_a_second_sigint_in_one_reply_quits_after_cancelling_it():
+  import signal  # pylint: disable=g-import-not-at-top
+  from glm5_jax.rl import chat_session  # pylint: disable=g-import-not-at-top
+  interrupts = chat_session.Interrupts()
+  twice = lambda k: [interrupts(signal.SIGINT, None) for _ in range(2)]
+  engine = _SteppingEngine([_answer_ids("never")], on_step=twice)
+  out = []
+  with pytest.raises(KeyboardInterrupt):
+    chat_session.run(engine, tokenizers.ByteTokenizer(), ["hello\n", "unread\n"], None,
+                     write=out.append, interrupts=interrupts)
+  assert out == ["user: hello", "(cancelled)"] and engine.cancelled == [1] and not engine.open
+  with pytest.raises(KeyboardInterrupt):        # at the prompt: raised where it lands
+    interrupts(signal.SIGINT, None)
+
+
+def test_an_error_inside_a_turn_cancels_it_and_is_not_masked_by_end_session():
+  from glm5_jax.rl import chat_session  # pylint: disable=g-import-not-at-top
+
+  def fail(k):
+    raise RuntimeError(f"step {k} failed")
+
+  engine = _SteppingEngine([_answer_ids("never")], on_step=fail)
+  with pytest.raises(RuntimeError, match="step 1 failed"):
+    _chat(engine, ["hello\n"], chat_session.Interrupts())
+  assert engine.cancelled == [1] and not engine.open
+
+
+def test_a_line_that_is_not_utf8_is_reported_and_skipped(rng):
+  from glm5_jax.rl import chat_session  # pylint: disable=g-import-not-at-top
+  junk = bytes(rng.integers(0, 256, 6, dtype=np.uint8))
+  bad = b"ok " + bytes([0xff]) + junk + b"\n"
+  engine = _SteppingEngine([_answer_ids("fine")])
+  msgs, out, err = _chat(engine, [bad, "é again\n".encode()], chat_session.Interrupts())
+  assert err == [f"error: input line 1 is not UTF-8 (invalid start byte: byte(s) ff at "
+                 f"offset 3); skipped"]
+  assert out == ["user: é again", "assistant: fine"] and len(msgs) == 2
+
+
+def test_each_model_turn_samples_with_its_own_seed(rng):
+  from glm5_jax.rl import chat_session  # pylint: disable=g-import-not-at-top
+  seed = int(rng.integers(-2**40, 2**40))
+  seeds = [chat_session.turn_seed(seed, t) for t in range(64)]
+  assert len(set(seeds)) == 64 and all(0 <= s < 2**31 for s in seeds)
+  assert seeds == [chat_session.turn_seed(seed, t) for t in range(64)]     # a pure function
+  assert chat_session.turn_seed(seed + 1, 0) != seeds[0]
+  with pytest.raises(ValueError, match="turn=-1"):
+    chat_session.turn_seed(seed, -1)
+  # Over the chat: a tool round and every line's turns (failed ones too) take the next index.
+  call = chat.render(_conv([{"role": "user", "content": "q"}, {
+      "role": "assistant", "content": "", "tool_calls": [
+          {"name": "calculator", "arguments": {"expression": "1+1"}}]}]),
+                     tokenizers.ByteTokenizer())
+  call = call.ids[len(chat.render_prompt(_conv([{"role": "user", "content": "q"}]),
+                                         tokenizers.ByteTokenizer())):].tolist()
+  engine = _SteppingEngine([call, _answer_ids("2"), [1, 2], _answer_ids("b")])
+  _, out, _ = _chat(engine, ["1+1?\n", "a\n", "/reset\n", "b\n"], None, seed=seed,
+                    tools=("calculator",))
+  assert "assistant: 2" in out and "assistant: b" in out
+  assert [sp.seed for sp in engine.sampling] == seeds[:4]
+
+
+def test_max_turns_out_of_range_is_refused_naming_the_flag():
+  from glm5_jax.rl import chat_session  # pylint: disable=g-import-not-at-top
+  for bad in (0, -3, True, 1.5):
+    with pytest.raises(ValueError, match=rf"--max_turns={bad!r}: expected an int >= 1"):
+      chat_session.run(_SteppingEngine([]), tokenizers.ByteTokenizer(), [], None,
+                       max_turns=bad)
+
+
+def _cli(*flags, stderr=None):
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  return subprocess.Popen([sys.executable, "-m", "experiments.chat", *flags],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          stderr=stderr or subprocess.PIPE)
+
+
+def test_cli_refuses_count_flags_out_of_range_before_loading():
+  runs = {flag: _cli("--checkpoint=/nonexistent", flag) for flag in
+          ("--max_turns=0", "--max_new_tokens=-1", "--max_len=0")}
+  for flag, p in runs.items():
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 1 and f"error: {flag}: expected an int >= 1" in err.decode(), err
+
+
+class _Lines:
+  """A subprocess's stdout lines, read on a thread, waited for with a timeout."""
+
+  def __init__(self, stream):
+    import queue  # pylint: disable=g-import-not-at-top
+    import threading  # pylint: disable=g-import-not-at-top
+    self.seen, self._q = [], queue.Queue()
+    threading.Thread(target=lambda: [self._q.put(s) for s in stream] + [self._q.put(None)],
+                     daemon=True).start()
+
+  def until(self, want: bytes, timeout=120) -> list[bytes]:
+    """The lines up to and including the first that starts with `want`."""
+    start = len(self.seen)
+    while not self.seen[start:] or not self.seen[-1].startswith(want):
+      line = self._q.get(timeout=timeout)
+      assert line is not None, f"no {want!r} before EOF: {self.seen[start:]}"
+      self.seen.append(line)
+    return self.seen[start:]
+
+
+def test_cli_sigint_cancels_the_reply_then_quits_at_the_prompt(tmp_path, tiny_cfg, tiny_params):
+  """Ctrl-C mid-reply (during its first engine step, which compiles): cancelled, the chat goes
+  on; a line of bad bytes is skipped; two equal prompts at temperature 1 get different replies
+  (their own seeds); Ctrl-C at the prompt exits 130. No segfault, no traceback."""
+  import signal  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  from glm5_jax.train import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
+  from tests import seeding  # pylint: disable=g-import-not-at-top
+  wd = ckpt_lib.save_params(str(tmp_path / "ckpt"), tiny_cfg, tiny_params)
+  err_path = tmp_path / "stderr"
+  with open(err_path, "wb") as err_file:
+    p = _cli(f"--checkpoint={wd}", "--tools=calculator", "--max_new_tokens=16",
+             "--max_len=128", "--temperature=1", f"--seed={seeding.seed() % 2**31}",
+             stderr=err_file)
+  out = _Lines(p.stdout)
+  try:
+    send = lambda b: (p.stdin.write(b), p.stdin.flush())
+    send(b"hello\n")
+    out.until(b"user: hello")
+    p.send_signal(signal.SIGINT)
+    assert out.until(b"(")[-1] == b"(cancelled)\n"
+    send(b"\xffhi\nagain\n/reset\nagain\n/reset\n")
+    first = out.until(b"(conversation reset)")
+    second = out.until(b"(conversation reset)")
+    assert first[0] == second[0] == b"user: again\n" and first != second
+    time.sleep(0.5)                                  # blocked reading the next line
+    p.send_signal(signal.SIGINT)
+    p.wait(timeout=60)                               # stdin open: no EOF races the signal
+  finally:
+    p.kill()
+  err = err_path.read_text(errors="replace")
+  assert p.returncode == 130, (p.returncode, err[-3000:])
+  assert "Traceback" not in err and "Fatal Python error" not in err, err[-3000:]
+  assert "error: input line 2 is not UTF-8 (invalid start byte: byte(s) ff at offset 0); " \
+         "skipped" in err and err.rstrip().endswith("(interrupted)")

@@ -14,6 +14,8 @@ attention, a causal top-k and dropless MoE make positions before the padding ind
 of it.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -319,8 +321,14 @@ def test_bad_input_raises_a_clear_error_and_the_engine_stays_usable(engine, para
   bad["lm_head"]["kernel"] = bad["lm_head"]["kernel"][:, :-1]
   with pytest.raises(ValueError, match=r"\['lm_head'\]\['kernel'\] is float32\[64, 383\]"):
     engine.update_params(bad, version=9)
-  with pytest.raises(ValueError, match="structure differs"):
+  first = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(params)[0][0][0])
+  n_missing = len(jax.tree_util.tree_leaves(params)) - len(jax.tree_util.tree_leaves(
+      params["lm_head"]))
+  with pytest.raises(ValueError, match=rf"tree differs .*: missing {re.escape(first)} \(and "
+                     rf"{n_missing - 1} more\)$"):
     engine.update_params({"lm_head": params["lm_head"]}, version=9)
+  with pytest.raises(ValueError, match=r"unexpected \['extra'\]$"):
+    engine.update_params({**params, "extra": jnp.zeros(2)}, version=9)
   sid = engine.new_session()
   engine.submit([1, 2], sp, session_id=sid)
   with pytest.raises(ValueError, match="has a turn in flight"):
@@ -334,6 +342,35 @@ def test_bad_input_raises_a_clear_error_and_the_engine_stays_usable(engine, para
   engine.end_session(sid)
   with pytest.raises(ValueError, match="unknown"):
     engine.end_session(sid)
+
+
+def test_non_finite_weights_are_refused_naming_the_leaf_and_the_engine_keeps_serving(
+    cfg, engine, params, rng):
+  """NaN / inf in a float leaf: `Engine(...)` and `update_params` refuse, naming the leaf and
+  the count, for host arrays, device arrays and arrays on a mesh; nothing changes."""
+  leaves = [(k, x) for k, x in jax.tree_util.tree_leaves_with_path(params)
+            if jnp.issubdtype(x.dtype, jnp.floating)]
+  path, x = leaves[int(rng.integers(len(leaves)))]
+  flat = np.asarray(x).copy().reshape(-1)
+  at = rng.choice(flat.size, size=min(3, flat.size), replace=False)
+  flat[at] = [np.nan, np.inf, -np.inf][:len(at)]
+  bad = jax.tree_util.tree_map_with_path(
+      lambda k, v: flat.reshape(x.shape) if k == path else v, params)
+  msg = (rf"{re.escape(jax.tree_util.keystr(path))} holds {len(at)} non-finite values "
+         rf"\(NaN or inf\) of {x.size}")
+  with pytest.raises(ValueError, match="Engine params: " + msg):
+    Engine(cfg, bad, max_batch=1, max_len=16, block_size=BLOCK)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+  on_mesh = jax.device_put(bad, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  version = engine.version
+  for tree in (bad, jax.device_put(bad), on_mesh):
+    with pytest.raises(ValueError, match="update_params: " + msg):
+      engine.update_params(tree, version=version + 1)
+  assert engine.version == version
+  engine_lib.check_finite(params, "ok")                       # the good tree passes
+  engine_lib.check_finite({"ids": np.array([1, 2]), "w": jnp.ones(3)}, "ints pass")
+  p = rng.integers(0, 256, 4).tolist()
+  assert len(engine.generate([p], SamplingParams(max_new_tokens=2))[0].token_ids) == 2
 
 
 def test_no_recompilation_after_warmup_with_device_put_params(cfg, params, params_v1, rng):
@@ -402,6 +439,14 @@ for a, b in zip(single, sharded):
   np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6, rtol=0)
   for pos in a.topk_indices:
     assert (np.sort(a.topk_indices[pos], -1) == np.sort(b.topk_indices[pos], -1)).all()
+bad = jax.tree.map(lambda x: x, params)
+bad["lm_head"]["kernel"] = bad["lm_head"]["kernel"].at[3, 5].set(np.nan)
+bad = jax.tree.map(lambda x, e: jax.device_put(x, e.sharding), bad, eng.params)  # on the mesh
+try:
+  eng.update_params(bad, version=1)
+  raise AssertionError("NaN weights were served")
+except ValueError as e:
+  assert "['lm_head']['kernel'] holds 1 non-finite values" in str(e), e
 print("OK")
 """
 

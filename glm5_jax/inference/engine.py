@@ -56,8 +56,9 @@ attended to (nn/kv_cache.py).
 
 Errors (ValueError, raised before any state changes, so the engine keeps serving): empty
 prompt, token ids outside the vocabulary, a request larger than the cache, unknown request
-or session ids, a session with a turn in flight, n < 1, and `update_params` with a tree of
-another structure, shape or dtype.
+or session ids, a session with a turn in flight, n < 1, `update_params` with a tree of
+another structure, shape or dtype (naming the first leaf that differs), and parameters holding
+a NaN or inf (`Engine(...)` and `update_params`; naming the first such leaf and the count).
 """
 
 from __future__ import annotations
@@ -268,6 +269,81 @@ def serving_template(cfg, mesh, rules=None):
                       shapes, serving_shardings(cfg, mesh, rules))
 
 
+def tree_diff(got, want) -> str | None:
+  """The first difference of tree `got` from `want`, naming its path (keystr): a missing or
+  extra leaf, then a shape or dtype; None if they agree."""
+  got_flat, got_def = jax.tree_util.tree_flatten_with_path(got)
+  want_flat, want_def = jax.tree_util.tree_flatten_with_path(want)
+  got_at = {jax.tree_util.keystr(k): x for k, x in got_flat}
+  want_at = {jax.tree_util.keystr(k): x for k, x in want_flat}
+  missing = [k for k in want_at if k not in got_at]
+  extra = [k for k in got_at if k not in want_at]
+  if missing or extra:
+    return "; ".join(
+        f"{what} {ks[0]}" + (f" (and {len(ks) - 1} more)" if len(ks) > 1 else "")
+        for what, ks in (("missing", missing), ("unexpected", extra)) if ks)
+  if got_def != want_def:                    # same paths, other node types (e.g. a tuple)
+    return f"tree structure {got_def} differs from {want_def}"
+  for k, x in got_at.items():
+    a, b = _shape_dtype(x), _shape_dtype(want_at[k])
+    if a != b:
+      return f"{k} is {a[1]}{list(a[0])}, expected {b[1]}{list(b[0])}"
+  return None
+
+
+def _shape_dtype(x):
+  return np.shape(x), (x.dtype if hasattr(x, "dtype") else np.result_type(x))
+
+
+@functools.lru_cache(maxsize=16)
+def _finite_fns(out_sharding):
+  """jitted (leaves -> bool[n] all finite per leaf, leaf -> its non-finite count)."""
+  def count(x):
+    bad = ~jnp.isfinite(x)
+    if x.size < 2**31:
+      return jnp.sum(bad, dtype=jnp.int32)
+    return jnp.sum(jnp.sum(bad, axis=-1, dtype=jnp.int32), dtype=jnp.float32)  # 2**31+ values
+  kw = {} if out_sharding is None else {"out_shardings": out_sharding}
+  return (jax.jit(lambda xs: jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]), **kw),
+          jax.jit(count, **kw))
+
+
+def _devices(x):
+  """Host arrays: None; a jax.Array: the ordered devices one jitted call over it runs on."""
+  return x.sharding._device_assignment if isinstance(x, jax.Array) else None  # pylint: disable=protected-access
+
+
+def check_finite(params, what: str) -> None:
+  """Raises ValueError naming the first leaf (keystr) of `params` holding a NaN or inf, and
+  how many. Integer leaves pass. jax.Arrays (sharded global arrays too) are checked where they
+  live, by one jitted reduction per device assignment (one for a tree on one mesh) and one
+  host read; host arrays by NumPy (never copied to a device)."""
+  leaves = [(k, x) for k, x in jax.tree_util.tree_leaves_with_path(params)
+            if jnp.issubdtype(_shape_dtype(x)[1], jnp.inexact)]
+  groups = collections.defaultdict(list)
+  for i, (_, x) in enumerate(leaves):
+    groups[_devices(x)].append(i)
+  ok, fns = np.ones(len(leaves), bool), {}
+  for devices, idx in groups.items():
+    xs = [leaves[i][1] for i in idx]
+    if devices is None:
+      ok[idx] = [np.isfinite(np.asarray(x)).all() for x in xs]
+      continue
+    sh = xs[0].sharding
+    rep = NamedSharding(sh.mesh, P()) if isinstance(sh, NamedSharding) else None
+    fns[devices] = _finite_fns(rep)
+    ok[idx] = np.asarray(fns[devices][0](xs))
+  if ok.all():
+    return
+  path, x = leaves[int(np.argmin(ok))]
+  devices = _devices(x)
+  n = (int(np.count_nonzero(~np.isfinite(np.asarray(x)))) if devices is None
+       else int(fns[devices][1](x)))
+  raise ValueError(f"{what}: {jax.tree_util.keystr(path)} holds {n} non-finite values (NaN "
+                   f"or inf) of {np.size(x)}; refusing to serve them (diverged or corrupt "
+                   "weights?)")
+
+
 class Engine:
   """KV-cached GLM-5 inference with continuous batching (see module docstring)."""
 
@@ -323,6 +399,7 @@ class Engine:
                          "with an 'mtp' subtree")
       if num_draft < 1:
         raise ValueError(f"Engine num_draft={num_draft}: expected >= 1 with speculative=True")
+    check_finite(params, "Engine params")
     per_request = -(-max_len // block_size)
     num_blocks = max_batch * per_request if num_blocks is None else num_blocks
     if not isinstance(num_blocks, int) or num_blocks < 1:
@@ -412,17 +489,15 @@ class Engine:
 
   # ------------------------------------------------------------------ weights
   def update_params(self, params, version: int) -> None:
-    """Serves `params` (same tree, shapes and dtypes) from the next step on; see the module
-    docstring. Running requests and sessions are prefilled again under the new weights."""
-    want = jax.tree_util.tree_structure(self.params)
-    if jax.tree_util.tree_structure(params) != want:
-      raise ValueError("update_params: the parameter tree's structure differs from the "
-                       "engine's (a different config?)")
-    for (path, new), old in zip(jax.tree_util.tree_leaves_with_path(params),
-                                jax.tree_util.tree_leaves(self.params)):
-      if new.shape != old.shape or new.dtype != old.dtype:
-        raise ValueError(f"update_params: {jax.tree_util.keystr(path)} is {new.dtype}"
-                         f"{list(new.shape)}, the engine's is {old.dtype}{list(old.shape)}")
+    """Serves `params` (same tree, shapes and dtypes, every float finite) from the next step
+    on; see the module docstring. Running requests and sessions are prefilled again under the
+    new weights. A ValueError names the first missing, extra or mismatched leaf, or the first
+    leaf holding a NaN or inf, before anything changes."""
+    diff = tree_diff(params, self.params)
+    if diff is not None:
+      raise ValueError(f"update_params: the parameter tree differs from the engine's (a "
+                       f"different config?): {diff}")
+    check_finite(params, "update_params")
     self.params = self._place(params)
     self.version = version
     running = sorted((r for r in self._slots if r is not None), key=lambda r: r.rid)
