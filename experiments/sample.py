@@ -46,24 +46,36 @@ def load(checkpoint, preset):
   return train_checkpoint.load_model(checkpoint, what="checkpoint")
 
 
+def parse_prompt_ids(values: list[str]) -> list[int]:
+  """--prompt_ids as ints; a ValueError names the first entry that is not an integer >= 0."""
+  ids = []
+  for i, v in enumerate(values):
+    try:
+      ids.append(int(v))
+    except ValueError:
+      ids.append(-1)
+    if ids[-1] < 0:
+      raise ValueError(f"--prompt_ids[{i}]={v!r}: expected an integer >= 0 (a token id)")
+  return ids
+
+
 def main(argv):
   del argv
   try:
+    prompt = parse_prompt_ids(_PROMPT_IDS.value) if _PROMPT_IDS.value else None
+    sp = SamplingParams(max_new_tokens=_MAX_NEW.value, temperature=_TEMPERATURE.value,
+                        top_k=_TOP_K.value, top_p=_TOP_P.value, seed=_SEED.value)
     cfg, params = load(_CHECKPOINT.value, _PRESET.value)
-  except (FileNotFoundError, ValueError) as e:      # a missing or corrupt checkpoint: one line
+    if prompt is None:
+      if cfg.vocab_size < 256:
+        raise ValueError(f"byte-level --prompt needs vocab_size >= 256 (got "
+                         f"{cfg.vocab_size}); pass --prompt_ids")
+      prompt = list(_PROMPT.value.encode("utf-8"))
+    engine = Engine(cfg, params, max_batch=1, max_len=_MAX_LEN.value,
+                    speculative=_SPECULATIVE.value)
+    out = engine.generate([prompt], sp)[0]
+  except (FileNotFoundError, ValueError) as e:  # a bad flag, a missing or corrupt checkpoint
     raise SystemExit(f"error: {e}") from None
-  if _PROMPT_IDS.value:
-    prompt = [int(t) for t in _PROMPT_IDS.value]
-  else:
-    if cfg.vocab_size < 256:
-      raise ValueError(f"byte-level --prompt needs vocab_size >= 256 (got {cfg.vocab_size}); "
-                       "pass --prompt_ids")
-    prompt = list(_PROMPT.value.encode("utf-8"))
-  engine = Engine(cfg, params, max_batch=1, max_len=_MAX_LEN.value,
-                  speculative=_SPECULATIVE.value)
-  sp = SamplingParams(max_new_tokens=_MAX_NEW.value, temperature=_TEMPERATURE.value,
-                      top_k=_TOP_K.value, top_p=_TOP_P.value, seed=_SEED.value)
-  out = engine.generate([prompt], sp)[0]
   stats = engine.last_stats
   if not _PROMPT_IDS.value:
     print(tokenizers.ByteTokenizer().decode(out.token_ids, skip_special_tokens=False))

@@ -74,6 +74,29 @@ def test_a_dir_prepared_before_the_record_is_accepted_with_one_warning(prepared,
   assert len([r for r in caplog.records if "records no sources" in r.getMessage()]) == 1
 
 
+def test_a_dir_prepared_before_non_text_files_were_skipped_is_used_with_a_warning(
+    prepared, text_dir, tmp_path, caplog):
+  d = _copy(prepared, tmp_path)
+  meta = corpus.load_meta(d)
+  assert meta["skipped"] == []
+  del meta["skipped"]
+  with open(os.path.join(d, corpus.META), "w") as f:
+    json.dump(meta, f)
+  with caplog.at_level(logging.WARNING):
+    assert corpus.ensure(d, source_dir=text_dir) == meta
+  assert any("before binary and non-UTF-8 files were skipped" in r.getMessage()
+             for r in caplog.records), caplog.text
+
+
+@pytest.mark.parametrize("values,bad", [(["1", "x2"], r"\[1\]='x2'"), (["-3"], r"\[0\]='-3'"),
+                                        (["4", "1.5", "7"], r"\[1\]='1.5'")])
+def test_sample_prompt_ids_that_are_not_token_ids_are_named(values, bad):
+  from experiments import sample  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match=rf"^--prompt_ids{bad}: expected an integer >= 0"):
+    sample.parse_prompt_ids(values)
+  assert sample.parse_prompt_ids(["0", " 12"]) == [0, 12]
+
+
 def test_truncated_shard_is_named_before_any_reader_opens_it(prepared, tmp_path):
   d = _copy(prepared, tmp_path)
   shard = corpus.shard_paths(d, "train")[0]

@@ -85,6 +85,59 @@ def test_errors_name_the_problem(tmp_path, text_dir):
     tokenizers.get_tokenizer("gpt2")
 
 
+def test_binary_and_non_utf8_files_are_skipped_and_named(tmp_path, rng, caplog):
+  src = tmp_path / "src"
+  src.mkdir()
+  texts = {f"t{i}.py": "".join(chr(int(c)) for c in rng.integers(97, 123, 50)) + "é"
+           for i in range(12)}
+  for name, text in texts.items():
+    (src / name).write_text(text, encoding="utf-8")
+  blob = bytes(rng.integers(1, 256, 64, dtype=np.uint8))
+  (src / "blob.py").write_bytes(b"ab" + b"\0" + blob)              # binary: a NUL at 2
+  (src / "latin1.py").write_bytes("café au lait".encode("latin-1"))  # 0xe9 then ' '
+  with caplog.at_level("WARNING"):
+    meta = corpus.prepare(str(src), str(tmp_path / "out"), val_fraction=0.3, num_shards=2)
+  assert meta["skipped"] == [
+      {"path": "blob.py", "why": "binary (a NUL byte at offset 2)"},
+      {"path": "latin1.py", "why": "not UTF-8 (invalid continuation byte at offset 3)"}]
+  for name in ("blob.py", "latin1.py"):
+    assert any(name in r.getMessage() for r in caplog.records), caplog.text
+  docs = meta["splits"]["train"]["documents"] + meta["splits"]["validation"]["documents"]
+  assert docs == len(texts)
+  got = sum(meta["splits"][s]["bytes"] for s in ("train", "validation"))
+  assert got == sum(len(t.encode()) for t in texts.values())     # only the text files' bytes
+
+
+@pytest.mark.parametrize("field,value,allowed", [
+    ("val_fraction", 0.0, r"a number in \(0, 1\)"), ("val_fraction", 1.0, r"\(0, 1\)"),
+    ("val_fraction", -0.1, r"\(0, 1\)"), ("num_shards", 0, r"\[1, 4096\]"),
+    ("num_shards", 10**6, r"\[1, 4096\]"), ("max_files", -1, r"\[0, ")])
+def test_split_fields_out_of_range_are_named(tmp_path, text_dir, field, value, allowed):
+  kw = {"val_fraction": 0.2, "num_shards": 2, "max_files": 0, field: value}
+  with pytest.raises(ValueError, match=rf"^{field}={value!r}: expected .*{allowed}"):
+    corpus.prepare(text_dir, str(tmp_path / "o"), **kw)
+  assert not (tmp_path / "o").exists()                      # refused before writing
+
+
+def test_a_split_with_no_document_is_refused_and_nothing_is_left(tmp_path, text_dir):
+  out = tmp_path / "o"
+  with pytest.raises(ValueError, match=r"validation split .* would hold no document \(train "
+                     r"2, validation 0 of 2 files"):
+    corpus.prepare(text_dir, str(out), val_fraction=1e-9, num_shards=2, max_files=2)
+  assert not list(out.iterdir())                            # no shard, no meta.json
+
+
+def test_prepare_data_cli_names_the_flag(tmp_path, text_dir):
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  for flag, want in (("--num_shards=0", "error: --num_shards=0: expected an integer in [1, "),
+                     ("--val_fraction=1.0", "error: --val_fraction=1.0: expected a number in")):
+    p = subprocess.run([sys.executable, "-m", "experiments.prepare_data", f"--src={text_dir}",
+                        f"--out={tmp_path / 'o'}", flag], capture_output=True, text=True,
+                       timeout=120, check=False)
+    assert p.returncode == 1 and want in p.stderr, p.stderr[-2000:]
+
+
 def test_byte_tokenizer_round_trip():
   tok = tokenizers.ByteTokenizer()
   assert tok.decode(tok.encode("déjà vu")) == "déjà vu"

@@ -4,6 +4,10 @@ Each record is one document: int32 token ids (`np.ndarray.tobytes`). The split
 is by a hash of the file path, so it is stable when files are added. The default
 corpus is the Python standard library's own source files on this machine.
 
+Only text is tokenized: a file holding a NUL byte (binary) or bytes that are not UTF-8 is
+skipped, logged with its path and why, and listed in `meta.json` (`skipped`). A split that
+ends up with no document is an error naming the counts, before `meta.json` is written.
+
 `meta.json` records what the directory was prepared from (`prepared_from`: source
 directory, file pattern, tokenizer, split) and each shard's size and record count
 (`shards`). `ensure` refuses to reuse a directory prepared from other sources, and
@@ -55,6 +59,33 @@ def _is_validation(path: str, fraction: float) -> bool:
   return h / 2**32 < fraction
 
 
+MAX_SHARDS = 4096
+
+
+def check_split_fields(*, val_fraction, num_shards, max_files, prefix: str = "") -> None:
+  """Raises ValueError naming the field when a split setting is out of its range."""
+  if not (isinstance(val_fraction, (int, float)) and not isinstance(val_fraction, bool)
+          and 0 < val_fraction < 1):
+    raise ValueError(f"{prefix}val_fraction={val_fraction!r}: expected a number in (0, 1) "
+                     "(the fraction of files held out for validation)")
+  for name, v, lo, hi in (("num_shards", num_shards, 1, MAX_SHARDS),
+                          ("max_files", max_files, 0, 2**31 - 1)):
+    if not (isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi):
+      raise ValueError(f"{prefix}{name}={v!r}: expected an integer in [{lo}, {hi}]"
+                       + (" (0 = all files)" if name == "max_files" else ""))
+
+
+def as_text(raw: bytes) -> tuple[str | None, str]:
+  """(the text, "") for UTF-8 text; (None, why) for a binary or non-UTF-8 file."""
+  nul = raw.find(b"\0")
+  if nul >= 0:
+    return None, f"binary (a NUL byte at offset {nul})"
+  try:
+    return raw.decode("utf-8"), ""
+  except UnicodeDecodeError as e:
+    return None, f"not UTF-8 ({e.reason} at offset {e.start})"
+
+
 def fingerprint(src: str, *, tokenizer: str, pattern: str, val_fraction: float,
                 max_files: int) -> dict:
   """What a data directory is prepared from (meta.json `prepared_from`)."""
@@ -67,6 +98,7 @@ def prepare(src: str, out: str, *, tokenizer: str = "bytes", pattern: str = "*.p
             val_fraction: float = 0.05, num_shards: int = 4, max_files: int = 0) -> dict:
   """Writes `out/{train,validation}-XXXXX-of-YYYYY.array_record` and `out/meta.json`."""
   from array_record.python.array_record_module import ArrayRecordWriter  # pylint: disable=g-import-not-at-top
+  check_split_fields(val_fraction=val_fraction, num_shards=num_shards, max_files=max_files)
   tok = tokenizers.get_tokenizer(tokenizer)
   files = _files(src, pattern)
   if max_files:
@@ -78,10 +110,15 @@ def prepare(src: str, out: str, *, tokenizer: str = "bytes", pattern: str = "*.p
              for split, ps in paths.items()}
   stats = {split: {"documents": 0, "tokens": 0, "bytes": 0} for split in writers}
   records = {split: [0] * num_shards for split in writers}
+  skipped = []
   for i, f in enumerate(files):
     with open(f, "rb") as fh:
       raw = fh.read()
-    text = raw.decode("utf-8", errors="replace")
+    text, why = as_text(raw)
+    if text is None:
+      skipped.append({"path": os.path.relpath(f, src), "why": why})
+      logging.warning("data: skipping %s: %s", f, why)
+      continue
     ids = tok.encode(text)
     if len(ids) < 2:
       continue
@@ -95,6 +132,17 @@ def prepare(src: str, out: str, *, tokenizer: str = "bytes", pattern: str = "*.p
   for ws in writers.values():
     for w in ws:
       w.close()
+  empty = [split for split, st in stats.items() if st["documents"] == 0]
+  if empty:
+    for ps in paths.values():
+      for path in ps:
+        os.remove(path)
+    counts = ", ".join(f"{split} {st['documents']}" for split, st in stats.items())
+    raise ValueError(
+        f"data: the {' and '.join(empty)} split of {src!r} would hold no document ({counts} "
+        f"of {len(files)} files matching {pattern!r}; {len(skipped)} skipped as not text, "
+        f"val_fraction={val_fraction}, max_files={max_files}); use more files or another "
+        "val_fraction")
   shards = {os.path.basename(p): {"bytes": os.path.getsize(p), "records": n}
             for split, ps in paths.items() for p, n in zip(ps, records[split])}
   unigram = _unigram_entropy_bits(paths["train"], tok.vocab_size)
@@ -102,7 +150,7 @@ def prepare(src: str, out: str, *, tokenizer: str = "bytes", pattern: str = "*.p
           "pattern": pattern, "splits": stats, "train_unigram_entropy_bits_per_token": unigram,
           "prepared_from": fingerprint(src, tokenizer=tokenizer, pattern=pattern,
                                        val_fraction=val_fraction, max_files=max_files),
-          "shards": shards}
+          "shards": shards, "skipped": skipped}
   with open(os.path.join(out, META), "w") as fh:
     json.dump(meta, fh, indent=2)
   return meta
@@ -206,6 +254,10 @@ def ensure(data_dir: str, *, source_dir: str, tokenizer: str = "bytes", pattern:
     logging.warning("data.dir=%r records no sources (prepared before meta.json held them); "
                     "assuming it was prepared from %s", data_dir, now)
     return meta
+  if "skipped" not in meta:
+    logging.warning("data.dir=%r was prepared before binary and non-UTF-8 files were skipped: "
+                    "any such file is in it as text with replacement characters; delete it "
+                    "to prepare it again", data_dir)
   for field in CHECKED:
     value = now[field]
     if was.get(field) != value:

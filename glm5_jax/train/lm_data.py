@@ -46,6 +46,9 @@ def ensure_data(c) -> dict:
     if not 0 < d.val_fraction < 1:
       raise ValueError(f"config.data.val_fraction={d.val_fraction}: expected in (0, 1) to "
                        f"prepare {d.dir} (the held-out evaluation needs a validation split)")
+    if mod is corpus:
+      corpus.check_split_fields(val_fraction=d.val_fraction, num_shards=d.num_shards,
+                                max_files=d.max_files, prefix="config.data.")
     if jax.process_index() == 0:
       logging.info("preparing %s -> %s", d.get("sources") or d.source_dir or "<stdlib>", d.dir)
       if mod is sft:
