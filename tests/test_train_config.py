@@ -50,9 +50,16 @@ def test_default_config_is_valid():
   loop.validate_config(_config(profile_steps=(2, 4)))
 
 
-def test_val_fraction_zero_on_a_fresh_data_dir_is_refused(tmp_path):
-  c = _config(**{"data.dir": str(tmp_path / "fresh"), "data.val_fraction": 0.0})
-  with pytest.raises(ValueError, match=r"config.data.val_fraction=0.0: expected in \(0, 1\)"):
+@pytest.mark.parametrize("field,value,match", [
+    ("val_fraction", 0.0, r"config.data.val_fraction=0.0: expected in \(0, 1\)"),
+    ("val_fraction", 1.0, r"config.data.val_fraction=1.0: expected in \(0, 1\)"),
+    ("val_fraction", -0.5, r"config.data.val_fraction=-0.5: expected in \(0, 1\)"),
+    ("num_shards", 0, r"config.data.num_shards=0: expected an integer in \[1, 4096\]"),
+    ("max_files", -2, r"config.data.max_files=-2: expected an integer in \[0, ")])
+def test_split_fields_out_of_range_on_a_fresh_data_dir_are_refused(tmp_path, field, value,
+                                                                   match):
+  c = _config(**{"data.dir": str(tmp_path / "fresh"), f"data.{field}": value})
+  with pytest.raises(ValueError, match=match):
     loop.ensure_data(c)
   assert not os.path.exists(tmp_path / "fresh")             # nothing prepared
 
