@@ -141,12 +141,14 @@ def test_summary_reports_grpo_and_the_async_rl_stage(tmp_path):
           "|dlogp| max 0, top-k mismatches 0 of 22") in main_job_report.table(s)
   assert s["post_training"]["grpo_gain"] == 0.125
   # Every number outside the ranges a new machine can expect is named (eval losses of 1.0,
-  # a GRPO gain of 0.125); with ranges around it, none.
+  # 62.5% after GRPO); with ranges around it, none.
   out = main_job_report.outside_expected(s)
-  assert any(x.startswith("stages.pretrain.eval_loss = 1, outside the range [2.425, 2.435]")
+  assert any(x.startswith("stages.pretrain.eval_loss = 1, outside the range [2.34, 2.63]")
              for x in out)
-  assert any(x.startswith("post_training.grpo_gain = 0.125, outside") for x in out)
-  assert "NOTE: post_training.grpo_gain = 0.125" in main_job_report.table(s)
+  assert any(x.startswith("post_training.heldout_accuracy_after_grpo = 0.625, outside")
+             for x in out)
+  assert not any(x.startswith("post_training.grpo_gain") for x in out)   # 0.125: inside
+  assert "NOTE: post_training.heldout_accuracy_after_grpo = 0.625" in main_job_report.table(s)
   assert main_job_report.outside_expected(s, [("post_training.grpo_gain", 0.1, 0.2),
                                               ("stages.nosuch.eval_loss", 0.0, 0.1)]) == []
 
