@@ -75,6 +75,10 @@ def get_config(arg=None):
   c.loss_chunk = 512                      # sequence chunk of the cross entropy
   c.bias_update_rate = 1e-3               # aux-loss-free routing-bias speed (DeepSeek-V3)
   c.tensorboard = True
+  # INT4 quantization-aware training (GLM-5 §2: SFT trains the weights the INT4 model serves):
+  # the forward uses dequantize(quantize(w)) of the targeted weights, straight-through
+  # gradients to float32 master weights (glm5_jax/quant.py). bits: 0 (off) or 4.
+  c.qat = ml_collections.ConfigDict({"bits": 0, "group_size": 32, "targets": "experts"})
   common.add_runtime(c)                   # mesh, num_devices, distributed, microbatches, ...
 
   c.data = ml_collections.ConfigDict({

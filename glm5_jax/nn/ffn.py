@@ -11,6 +11,10 @@ expert-parallel path of nn/moe_ep.py runs `ragged_swiglu` on each device's local
                                                           B rows, dense batched matmuls
 
 Notation: n tokens, d hidden, E routed experts, K experts per token, I expert width.
+
+Expert weights may be quantized (`quant.QArray`, the inference engine's INT4 / FP8 weights):
+the gathered and blocked kernels gather the experts they use from the packed values and
+dequantize only those; the ragged kernel dequantizes all E (it reads them all anyway).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from glm5_jax import quant
 from glm5_jax.nn import params as P
 
 
@@ -70,6 +75,7 @@ def ragged_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid):
   """sum_k weights[n,k] * Expert_{ids[n,k]}(x[n]) via sort + `jax.lax.ragged_dot` (dropless;
   one group of rows per expert). Returns (y [n, d], tokens per expert int32 [E])."""
   e = w_gate_edi.shape[0]
+  w_gate_edi, w_up_edi, w_down_eid = map(quant.materialize, (w_gate_edi, w_up_edi, w_down_eid))
   order, token_of = _sort_by_expert(ids_nk)
   xs = x_nd[token_of]                                            # [n*K, d], sorted by expert
   group_sizes = _counts(ids_nk, e)
@@ -120,7 +126,7 @@ def blocked_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid):
   xs = jnp.zeros((nb * b, d), x_nd.dtype).at[row].set(x_nd[token_of]).reshape(nb, b, d)
   block_expert = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(nb) * b, side="right"),
                              e - 1)                              # trailing empty blocks: any
-  w_gate, w_up, w_down = (jnp.take(w, block_expert, axis=0)
+  w_gate, w_up, w_down = (quant.materialize(quant.take(w, block_expert, axis=0))
                           for w in (w_gate_edi, w_up_edi, w_down_eid))
   h = (jax.nn.silu(jnp.einsum("bsd,bdi->bsi", xs, w_gate))
        * jnp.einsum("bsd,bdi->bsi", xs, w_up))
@@ -137,7 +143,8 @@ def gathered_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid):
   Reads n*K expert matrices ([n, K, d, I]); meant for n*K < E (see module docstring).
   """
   e = w_gate_edi.shape[0]
-  wg, wu, wd = w_gate_edi[ids_nk], w_up_edi[ids_nk], w_down_eid[ids_nk]    # [n, K, ...]
+  wg, wu, wd = (quant.materialize(quant.take(w, ids_nk, axis=0))            # [n, K, ...]
+                for w in (w_gate_edi, w_up_edi, w_down_eid))
   h = (jax.nn.silu(jnp.einsum("nd,nkdi->nki", x_nd, wg))
        * jnp.einsum("nd,nkdi->nki", x_nd, wu))
   y_nkd = jnp.einsum("nki,nkid->nkd", h, wd)

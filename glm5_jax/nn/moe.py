@@ -38,6 +38,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from glm5_jax import quant
 from glm5_jax.nn import ffn
 from glm5_jax.nn import moe_ep
 from glm5_jax.nn import params as P
@@ -94,10 +95,14 @@ class MoE(nn.Module):
     b, t, _ = x_btd.shape
     x = x_btd.reshape(b * t, d)
     ids, weights = router(x)
-    w_gate, w_up, w_down = experts()
     dispatch = select_dispatch(cfg, b * t)
-    y, counts = dispatch(x.astype(dt), ids, weights, w_gate.astype(dt), w_up.astype(dt),
-                         w_down.astype(dt))
+    # Quantized experts (the engine's INT4 / FP8 weights) stay packed into the kernel, which
+    # gathers the experts its tokens use before dequantizing them (nn/ffn.py).
+    ws = [w.replace(dtype=jnp.dtype(dt).name) if quant.is_qarray(w) else w.astype(dt)
+          for w in experts()]
+    if not isinstance(dispatch, functools.partial) or dispatch.func is not ffn.routed_swiglu:
+      ws = [quant.materialize(w) for w in ws]          # expert parallel: float shards
+    y, counts = dispatch(x.astype(dt), ids, weights, *ws)
     y = y.reshape(b, t, d)
     if cfg.n_shared_experts:
       y = y + ffn.MLP(cfg, i * cfg.n_shared_experts, name="shared")(x_btd)
@@ -119,7 +124,8 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-  """Stacked routed-expert weights: w_gate, w_up [E, d, I], w_down [E, I, d]."""
+  """Stacked routed-expert weights: w_gate, w_up [E, d, I], w_down [E, I, d] (a quantized
+  weight as its `quant.QArray`)."""
   cfg: "ModelConfig"  # noqa: F821
 
   @nn.compact
@@ -127,7 +133,10 @@ class Experts(nn.Module):
     cfg = self.cfg
     e, d, i, pd, init = (cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                          cfg.param_dtype, P.dense_init(cfg))
-    w_gate = P.param(self, "w_gate", init, (e, d, i), ("expert", "embed", "moe_mlp"), pd)
-    w_up = P.param(self, "w_up", init, (e, d, i), ("expert", "embed", "moe_mlp"), pd)
-    w_down = P.param(self, "w_down", init, (e, i, d), ("expert", "moe_mlp", "embed"), pd)
+    w_gate = P.param(self, "w_gate", init, (e, d, i), ("expert", "embed", "moe_mlp"), pd,
+                     packed=True)
+    w_up = P.param(self, "w_up", init, (e, d, i), ("expert", "embed", "moe_mlp"), pd,
+                   packed=True)
+    w_down = P.param(self, "w_down", init, (e, i, d), ("expert", "moe_mlp", "embed"), pd,
+                     packed=True)
     return w_gate, w_up, w_down

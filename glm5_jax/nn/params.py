@@ -6,11 +6,25 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
+from glm5_jax import quant
 
-def param(module: nn.Module, name: str, init, shape, axes, dtype):
-  """Creates `module.<name>` with logical axis names `axes` (one per dim)."""
+
+def param(module: nn.Module, name: str, init, shape, axes, dtype, *, packed: bool = False):
+  """Creates `module.<name>` with logical axis names `axes` (one per dim).
+
+  A quantized weight (`quant.QArray`, the inference engine's INT4 / FP8 weights) is returned
+  dequantized here, where the module uses it, or as it is with `packed=True` (the MoE gathers
+  the experts it needs before dequantizing them).
+  """
   if len(axes) != len(shape):
     raise ValueError(f"{name}: {len(axes)} axis names {axes} for shape {shape}")
+  if module.has_variable("params", name):
+    value = module.get_variable("params", name)
+    if quant.is_qarray(value):
+      if tuple(value.shape) != tuple(shape):
+        raise ValueError(f"{name}: a quantized weight of shape {value.shape}, the module "
+                         f"expects {tuple(shape)}")
+      return value if packed else quant.dequantize(value, dtype)
   return module.param(name, nn.with_logical_partitioning(init, tuple(axes)), tuple(shape),
                       jnp.dtype(dtype))
 

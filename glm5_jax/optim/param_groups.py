@@ -162,6 +162,53 @@ def matrix_mask(params: Any) -> Any:
   return map_rules(lambda r, _: r.ndim - r.stacked >= 2, params)
 
 
+# Quantization targets (glm5_jax/quant.py): which leaves a target group quantizes, by path.
+# The router, the embedding, the output head, norms and biases are never quantized (the
+# released INT4 / FP8 checkpoints keep them in higher precision: routing decisions and the
+# log-probs are the most sensitive to it).
+_ATTENTION = r"attn/(wq_a|wq_b|wkv_a|w_uk|w_uv|wo)"
+QUANT_TARGETS = {
+    "experts": _ANY + r"experts/(w_gate|w_up|w_down)$",
+    "attention": _ANY + _ATTENTION + "$",
+    "all_linear": _ANY + r"(" + _ATTENTION + r"|indexer/(wq_b|wk|weights_proj)"
+                  r"|(mlp|shared|experts)/(w_gate|w_up|w_down)|eh_proj)$",
+}
+
+
+def _as_tuple(a):
+  return a if isinstance(a, tuple) else (a,)
+
+
+def quant_axes(path: str, shape: tuple[int, ...]) -> tuple[int, int]:
+  """(batch axes, reduction axes) of a leaf for quantization (glm5_jax/quant.py `Layout`),
+  from its Newton–Schulz dims: the batch axes lead, the reduction axes follow, then the
+  output axes. Muon Split's per-head leaves are quantized as the whole matrix (`full_dims`:
+  heads are output axes)."""
+  rule = classify(path, shape)
+  ndim = len(shape)
+  dims = rule.full_dims or rule.dims
+  red = sorted(a % ndim for a in _as_tuple(dims.reduction_axis))
+  out = sorted(a % ndim for a in _as_tuple(dims.output_axis))
+  batch = ndim - len(red) - len(out)
+  if red + out != list(range(batch, ndim)):
+    raise AssertionError(f"{path}: reduction axes {red} and output axes {out} are not the "
+                         "trailing axes in that order; quantization needs [*batch, *red, *out]")
+  return batch, len(red)
+
+
+def check_targets(targets: str) -> str:
+  if targets not in QUANT_TARGETS:
+    raise ValueError(f"quantization targets={targets!r}: expected one of "
+                     f"{tuple(QUANT_TARGETS)}")
+  return targets
+
+
+def is_quant_target(path: str, targets: str, keep=()) -> bool:
+  """Whether `targets` quantizes the leaf at `path` (not if a key in `keep` is on it)."""
+  return (re.search(QUANT_TARGETS[check_targets(targets)], path) is not None
+          and not set(keep) & set(path.split("/")))
+
+
 def path_mask(*names: str, invert: bool = False) -> Callable[[Any], Any]:
   """A mask function: True on leaves whose path contains one of the key `names`.
 

@@ -69,7 +69,13 @@ COMMON = [
      "start..stop-1 are traced), e.g. --config.profile_steps='(10, 13)'"),
 ]
 
+_QAT_TARGETS = ("experts", "attention", "all_linear")   # optim/param_groups.QUANT_TARGETS
+
 LM = COMMON + [
+    ("qat.bits", lambda v, c: v in (0, 4), "0 (no QAT) or 4 (INT4 quantization-aware)"),
+    ("qat.group_size", lambda v, c: _int(v) and v >= 2 and v % 2 == 0 and v <= 4096,
+     "an even integer in [2, 4096] (INT4 values per scale, along the reduction dimension)"),
+    ("qat.targets", lambda v, c: v in _QAT_TARGETS, f"one of {_QAT_TARGETS}"),
     ("checkpoint_every", positive, _COUNT),
     ("eval_every", positive, _COUNT),
     ("eval_batches", positive, _COUNT),

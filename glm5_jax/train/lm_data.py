@@ -186,7 +186,8 @@ class LMSource:
       raise ValueError(f"config.eval_batches={c.eval_batches}: expected >= 1")
     if self._eval_fn is None:
       self._eval_fn = jax.jit(functools.partial(step_lib.eval_step, cfg=self.cfg,
-                                                stage=c.stage, loss_chunk=c.loss_chunk),
+                                                stage=c.stage, loss_chunk=c.loss_chunk,
+                                                qat=step_lib.qat_scheme(c)),
                               in_shardings=(jax.tree.map(lambda x: x.sharding, state.params),
                                             self.batch_sh))
     try:

@@ -314,6 +314,7 @@ def _run(c, workdir: str, source: Source, preempt) -> dict:
   shd.check_divisible(shapes, param_sh, mesh)
   param_sh = jax.tree.map(functools.partial(shd.or_one_device, mesh), param_sh,
                           is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+  step_lib.check_qat(c, shapes)
   source.setup(cfg, mesh, param_sh)
   ckpt_lib.check_model_config(workdir, cfg)
   tx = step_lib.make_optimizer(c)

@@ -44,9 +44,11 @@ from glm5_jax import nn as gnn
 from glm5_jax import optim
 from glm5_jax import policy
 from glm5_jax import policy_losses
+from glm5_jax import quant
 from glm5_jax.nn import context_parallel as cp
 from glm5_jax.nn import layer_stack
 from glm5_jax.optim.param_groups import matrix_mask
+from glm5_jax.optim.param_groups import path_str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,8 +180,12 @@ def target_offsets(cfg, stage: str) -> list[int]:
                 else [])
 
 
-def loss_fn(params, batch, *, cfg, stage: str, loss_chunk: int, norm=None):
+def loss_fn(params, batch, *, cfg, stage: str, loss_chunk: int, norm=None, qat=None):
   """Total loss and its parts for one batch {tokens, segment_ids, positions}.
+
+  qat: a `quant.Scheme` (config.qat): the forward runs `quant.fake_quant` of the targeted
+    weights (quantization-aware training: the INT4 weights the deployed model will serve,
+    a straight-through gradient to the float32 master weights).
 
   norm: None, or this batch's share of a larger one (gradient accumulation,
     `train_step`): {"tokens": {offset: target tokens of the whole batch}, "parts": number
@@ -204,7 +210,8 @@ def loss_fn(params, batch, *, cfg, stage: str, loss_chunk: int, norm=None):
     order = jnp.asarray(cp.zigzag_order(batch["tokens"].shape[1], cp.size()))
     inputs = tuple(cp.permute(x, order) for x in inputs)
     tgt = {o: tuple(cp.permute(x, order) for x in ym) for o, ym in tgt.items()}
-  out = gnn.GLM5(mcfg).apply({"params": params}, *inputs, with_indexer_loss=with_kl,
+  model_params = params if qat is None else quant.fake_quant_tree(params, qat)
+  out = gnn.GLM5(mcfg).apply({"params": model_params}, *inputs, with_indexer_loss=with_kl,
                              return_logits=False, order=order)
   head = params["lm_head"]["kernel"]
   y, m = tgt[1]
@@ -289,7 +296,8 @@ def policy_loss_fn(params, batch, *, cfg, stage: str, hp: dict, norm=None):
 
 
 def _lm_loss(params, batch, *, cfg, stage, hp, norm=None):
-  return loss_fn(params, batch, cfg=cfg, stage=stage, loss_chunk=hp["loss_chunk"], norm=norm)
+  return loss_fn(params, batch, cfg=cfg, stage=stage, loss_chunk=hp["loss_chunk"], norm=norm,
+                 qat=hp.get("qat"))
 
 
 # Stage.loss -> (loss function (params, batch, *, cfg, stage, hp, norm), the whole batch's
@@ -310,12 +318,46 @@ def _rollout_counts(b):
 def loss_hparams(c) -> dict:
   """The loss hyper-parameters of config `c`'s stage (the `hp` of `LOSSES`)."""
   if get_stage(c.stage).loss == "lm":
-    return {"loss_chunk": c.loss_chunk}
+    return {"loss_chunk": c.loss_chunk, "qat": qat_scheme(c)}
   r = c.rl
   hp = {"logprob_chunk": r.logprob_chunk, "eps_low": r.eps_low, "eps_high": r.eps_high}
   if get_stage(c.stage).loss == "icepop_grpo":
     hp["icepop_beta"] = r.icepop_beta
   return hp
+
+
+# config.qat.bits -> the quantization format QAT trains for (0: off).
+QAT_BITS = {0: None, 4: "int4"}
+
+
+def qat_scheme(c) -> quant.Scheme | None:
+  """The `quant.Scheme` of `config.qat` (None when off or the config has no `qat`)."""
+  q = c.get("qat")
+  if q is None or QAT_BITS.get(q.bits) is None:
+    return None
+  return quant.Scheme(QAT_BITS[q.bits], q.group_size, q.targets)
+
+
+def check_qat(c, shapes) -> None:
+  """`config.qat` fits the model and the stage: the group size divides every targeted
+  weight's reduction dimension and the stage trains at least one targeted weight (errors
+  name the field)."""
+  scheme = qat_scheme(c)
+  if scheme is None:
+    return
+  try:
+    quant.check_tree(shapes, scheme)
+  except ValueError as e:
+    raise ValueError(f"config.qat.group_size={scheme.block}: {e}") from None
+  frozen = frozen_mask(c.stage)
+  mask = frozen(shapes) if frozen else jax.tree.map(lambda _: False, shapes)
+  is_frozen = {path_str(p): f for p, f in jax.tree_util.tree_flatten_with_path(mask)[0]}
+  trained = [p for p in quant.targeted(shapes, scheme) if not is_frozen[p]]
+  if not trained:
+    raise ValueError(
+        f"config.qat.targets={scheme.targets!r} with config.stage={c.stage!r}: the stage trains "
+        f"none of the targeted weights ({get_stage(c.stage).trains}); QAT needs a stage that "
+        "trains them (e.g. sft), or qat.bits=0")
 
 
 def _with_new_bias(layer_params, load, rate):
@@ -422,8 +464,9 @@ def train_step(state: TrainState, batch, *, cfg, stage, tx, loss_chunk=None, bia
   return TrainState(state.step + 1, params, opt_state, state.rng), metrics
 
 
-def eval_step(params, batch, *, cfg, stage, loss_chunk):
-  """Summed next-token NLL and token count (for held-out loss and bits per byte)."""
-  _, (parts, _) = loss_fn(params, batch, cfg=cfg, stage=stage, loss_chunk=loss_chunk)
+def eval_step(params, batch, *, cfg, stage, loss_chunk, qat=None):
+  """Summed next-token NLL and token count (for held-out loss and bits per byte); with `qat`
+  of the quantized model the run trains."""
+  _, (parts, _) = loss_fn(params, batch, cfg=cfg, stage=stage, loss_chunk=loss_chunk, qat=qat)
   return {"nll_sum": parts["ce"] * parts["tokens"], "tokens": parts["tokens"],
           "indexer_kl": parts["indexer_kl"]}

@@ -36,7 +36,7 @@ LOCK, RUN = "run.lock", "run.json"
 # The config fields that define a run: a resume that changes one of them trains another run
 # on this run's checkpoints. Fields a config does not have are skipped.
 RUN_FIELDS = ("stage", "seed", "init_from", "optimizer", "data.tokenizer", "rl.task",
-              "rl.task_options", "rl.reward")
+              "rl.task_options", "rl.reward", "qat")
 
 
 class WorkdirInUse(RuntimeError):
