@@ -28,6 +28,21 @@ def add_runtime(c: ml_collections.ConfigDict, *, num_devices: int = 0,
   return c
 
 
+def add_rollout_precision(r: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """An RL section's rollout-engine precision and rollout routing replay (GLM-5 §3 runs its
+  rollouts in FP8; glm5_jax/inference/precision.py). Every RL metric stream measures the gap
+  it opens: |dlogp|, the IcePop-masked fraction, DSA top-k and MoE routing mismatch rates."""
+  r.rollout_weight_dtype = "float32"      # float32 | bfloat16 | float8_e4m3fn | int4
+  r.rollout_kv_dtype = "float32"          # the latent KV cache: float32 | bfloat16 | float8_e4m3fn
+  r.rollout_quant_targets = ""            # "" = the format's default (FP8: all_linear, INT4: experts)
+  r.rollout_quant_block = 0               # 0 = the format's default (FP8 128 x 128, INT4 groups of 32)
+  r.rollout_indexer_dtype = "same"        # "float32": the indexer keeps the trainer's precision
+  # Rollout routing replay (R3): the trainer's MoE layers use the experts the engine routed
+  # each token to (the routing weights still the trainer's own).
+  r.routing_replay = False
+  return r
+
+
 def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
   """Parses 'k1=v1,k2=v2' into a ConfigDict, typed by `defaults`; unknown keys fail.
 

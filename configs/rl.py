@@ -56,6 +56,7 @@ def get_config(arg=None):
       "prefill_chunk": 128,
       "steps_per_sync": 8,
       "enable_thinking": False,           # template writes an empty reasoning block
+      "icepop": True,                     # False: plain GRPO-clip (the mismatch-correction ablation)
       "icepop_beta": 2.0,
       "eps_low": 0.2,
       "eps_high": 0.28,
@@ -65,6 +66,7 @@ def get_config(arg=None):
       "eval_problems": 500,
       "checkpoint_every": 50,
   })
+  common.add_rollout_precision(c.rl)
   # On-policy distillation (GLM-5 §3): advantage += coef * sg(log pi_teacher - log pi).
   c.distill = ml_collections.ConfigDict({"teacher": "", "coef": 1.0, "task_advantage": True})
 
@@ -78,6 +80,7 @@ def get_config(arg=None):
     c.rl.eval_every = 20
     c.rl.eval_problems = 500
     c.rl.checkpoint_every = 20
+    c.rl.rollout_quant_block = 32         # FP8 blocks / INT4 groups that divide tiny's matrices
     c.learning_rate = 3e-4
     c.peak_tflops = 0.2                   # a rough 2-core CPU figure
   return c

@@ -107,6 +107,7 @@ def get_config(arg=None):
       "eval_problems": 200,
       "checkpoint_every": 50,
   })
+  common.add_rollout_precision(c.rl)
 
   if a.runlocal:
     c.total_steps = 20
@@ -118,5 +119,6 @@ def get_config(arg=None):
     c.rl.eval_every = 10
     c.rl.eval_problems = 100
     c.rl.checkpoint_every = 10
+    c.rl.rollout_quant_block = 32         # FP8 blocks / INT4 groups that divide tiny's matrices
     c.peak_tflops = 0.2                   # a rough 2-core CPU figure
   return c

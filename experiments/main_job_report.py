@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import os
 
+import numpy as np
+
 from glm5_jax.train import metrics as metrics_lib
 
 
@@ -57,16 +59,26 @@ def _heldout_accuracies(workdir: str) -> list[tuple[int, float]]:
 
 
 def _consistency(rows) -> dict:
-  """Train/rollout agreement over an RL stage's metrics rows: max |dlogp|, top-k mismatches."""
+  """Train/rollout agreement over an RL stage's metrics rows: max and mean |dlogp|, DSA top-k
+  and MoE routing mismatches (rows from before the routing metrics count none)."""
+  total = lambda k: sum(m.get(k, 0.0) for m in rows)
+  pairs = total("routing_pairs")
   return {"train_rollout_logp_abs_diff_max": max((m["logp_abs_diff_max"] for m in rows),
                                                  default=None),
-          "topk_mismatches": sum(m["topk_mismatches"] for m in rows),
-          "topk_positions_compared": sum(m["topk_positions"] for m in rows)}
+          "train_rollout_logp_abs_diff_mean": (
+              float(np.mean(means)) if (means := [m["logp_abs_diff_mean"] for m in rows
+                                                  if "logp_abs_diff_mean" in m]) else None),
+          "topk_mismatches": total("topk_mismatches"),
+          "topk_positions_compared": total("topk_positions"),
+          "routing_mismatches": total("routing_mismatches"),
+          "routing_pairs_compared": pairs,
+          "routing_mismatch_rate": total("routing_mismatches") / pairs if pairs else 0.0}
 
 
 def _consistency_text(r) -> str:
   return (f"|dlogp| max {r['train_rollout_logp_abs_diff_max']:.2g}, top-k mismatches "
-          f"{r['topk_mismatches']:.0f} of {r['topk_positions_compared']:.0f}")
+          f"{r['topk_mismatches']:.0f} of {r['topk_positions_compared']:.0f}, routing "
+          f"mismatches {r['routing_mismatches']:.0f} of {r['routing_pairs_compared']:.0f}")
 
 
 def summarize(results, timings, meta, workdir):

@@ -46,7 +46,7 @@ def _stage_config(base, stage: str, steps: int, init_from: str, lr: float, warmu
   return c
 
 
-def _sft_config(c, workdir: str):
+def sft_config(c, workdir: str):
   p = c.post
   sc = _stage_config(c, "sft", p.sft_steps, os.path.join(workdir, "dsa_sparse"),
                      p.sft_learning_rate, p.sft_warmup_steps)
@@ -58,7 +58,7 @@ def _sft_config(c, workdir: str):
   return sc
 
 
-def _rl_config(c, section, init_from: str):
+def rl_config(c, section, init_from: str):
   """The RL stage config `section` (c.post.rl, c.post.rl_async) on the job's task, from
   `init_from`."""
   rc = section.copy_and_resolve_references()
@@ -112,11 +112,11 @@ def _run_all(c, workdir: str) -> dict:
     t0 = time.perf_counter()
     logging.info("=== sft: %d steps on %s conversations from dsa_sparse", c.post.sft_steps,
                  c.post.task)
-    results["sft"] = loop.run(_sft_config(c, workdir), os.path.join(workdir, "sft"))
+    results["sft"] = loop.run(sft_config(c, workdir), os.path.join(workdir, "sft"))
     timings["sft"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     logging.info("=== grpo: %d steps on %s from sft", c.post.rl.total_steps, c.post.task)
-    results["grpo"] = grpo.run(_rl_config(c, c.post.rl, os.path.join(workdir, "sft")),
+    results["grpo"] = grpo.run(rl_config(c, c.post.rl, os.path.join(workdir, "sft")),
                                os.path.join(workdir, "grpo"))
     timings["grpo"] = time.perf_counter() - t0
   if c.post.enabled and c.post.get("rl_async") and c.post.rl_async.total_steps > 0:
@@ -124,7 +124,7 @@ def _run_all(c, workdir: str) -> dict:
     logging.info("=== rl_async: %d updates on %s from grpo", c.post.rl_async.total_steps,
                  c.post.task)
     results["rl_async"] = async_loop.run(
-        _rl_config(c, c.post.rl_async, os.path.join(workdir, "grpo")),
+        rl_config(c, c.post.rl_async, os.path.join(workdir, "grpo")),
         os.path.join(workdir, "rl_async"))
     timings["rl_async"] = time.perf_counter() - t0
   summary = report.summarize(results, timings, corpus.load_meta(c.data.dir), workdir)

@@ -279,6 +279,24 @@ def icepop_grpo_loss(logp, old_logp, rollout_logp, advantages, mask, *, beta=2.0
                                  advantages, mask, eps_low, eps_high, num_seqs)
 
 
+def grpo_clip_loss(logp, old_logp, rollout_logp, advantages, mask, *, eps_low=0.2,
+                   eps_high=0.28, num_seqs=None):
+  """GRPO-clip without any train / inference mismatch correction, negated: the ablation of
+  `icepop_grpo_loss` (pop(rho) = 1 for every token; the rollout log-probs enter only the
+  metrics). `icepop_masked_frac` is 0: nothing is masked.
+
+  Returns:
+    (scalar loss, metrics dict as `icepop_grpo_loss`'s).
+  """
+  check_hparams(eps_low=eps_low, eps_high=eps_high)
+
+  def keep_all(rho):
+    return jnp.ones_like(rho), jnp.zeros(rho.shape, bool)
+
+  return _mismatch_weighted_grpo(keep_all, "icepop_masked_frac", logp, old_logp, rollout_logp,
+                                 advantages, mask, eps_low, eps_high, num_seqs)
+
+
 def tis_grpo_loss(logp, old_logp, rollout_logp, advantages, mask, *, cap=2.0, eps_low=0.2,
                   eps_high=0.28):
   """GRPO-clip with truncated importance sampling (Yao et al. 2025, "Your Efficient RL

@@ -95,8 +95,8 @@ def _unrolled(cfg, params, per_layer, tokens, segment_ids):
   for i in range(cfg.num_hidden_layers):
     kind = layer_stack.layer_kind(cfg, i)
     layer = decoder_lib.DecoderLayer(cfg, moe=kind.moe, has_indexer=kind.has_indexer)
-    h, new_idx, kl, load, _ = layer.apply({"params": per_layer[i]}, h, cos, sin, idx, doc_start,
-                                       True)
+    h, new_idx, kl, load, _, _ = layer.apply({"params": per_layer[i]}, h, cos, sin, idx,
+                                              doc_start, True)
     idx = new_idx if new_idx is not None else idx
     kls.append(jnp.zeros(()) if kl is None else kl)
     loads += [] if load is None else [load]

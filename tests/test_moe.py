@@ -191,15 +191,15 @@ def test_moe_gather_path_equals_grouped_path_on_padded_batch(rng, monkeypatch):
 
   monkeypatch.setattr(moe, "select_dispatch", spy)
   x_few = jnp.asarray(rng.normal(size=(1, 3, cfg.hidden_size)), jnp.float32)   # n*K = 6 < 8
-  y_few, load_few = module.apply(params, x_few)
+  y_few, load_few, _ = module.apply(params, x_few)
   assert used == ["gathered_swiglu"]
   # Real rows first in a larger batch of random rows: grouped path, same real rows.
   x_pad = jnp.asarray(rng.normal(size=(2, 8, cfg.hidden_size)), jnp.float32).at[0, :3].set(x_few[0])
-  y_pad, _ = module.apply(params, x_pad)
+  y_pad, _, _ = module.apply(params, x_pad)
   assert used[1:] == ["ragged_swiglu"]
   np.testing.assert_allclose(y_pad[0, :3], y_few[0], rtol=1e-5, atol=1e-5)
   # The real rows repeated 4x: the same expert load fractions, through the grouped path.
-  y_rep, load_rep = module.apply(params, jnp.tile(x_few, (4, 1, 1)))
+  y_rep, load_rep, _ = module.apply(params, jnp.tile(x_few, (4, 1, 1)))
   assert used[2:] == ["ragged_swiglu"]
   np.testing.assert_allclose(y_rep, jnp.tile(y_few, (4, 1, 1)), rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(load_few, load_rep)

@@ -59,6 +59,25 @@ def test_grpo_steps_match_the_engine_and_checkpoint(init_workdir, tmp_path):
   assert [m["step"] for m in _metrics(wd) if "loss" in m] == [1, 2]
 
 
+@pytest.mark.slow
+def test_grpo_with_fp8_rollouts_measures_the_gap_and_routing_replay_closes_routing(
+    init_workdir, tmp_path):
+  rows = {}
+  for name, rl in (("fp8", dict(rollout_weight_dtype="float8_e4m3fn")),
+                   ("fp8_r3", dict(rollout_weight_dtype="float8_e4m3fn", routing_replay=True))):
+    c = _config(init_workdir, **rl)
+    c.optimizer = "adamw"
+    grpo.run(c, str(tmp_path / name))
+    rows[name] = [m for m in _metrics(str(tmp_path / name)) if "loss" in m]
+  for m in rows["fp8"] + rows["fp8_r3"]:
+    assert m["logp_abs_diff_max"] > 0 and m["routing_pairs"] > 0 and m["topk_positions"] > 0
+    for k in ("logp_abs_diff_mean", "icepop_masked_frac", "topk_mismatch_rate",
+              "routing_mismatch_rate", "routing_bytes_per_token"):
+      assert k in m, k
+  assert sum(m["routing_mismatches"] for m in rows["fp8"]) > 0
+  assert all(m["routing_mismatches"] == 0 for m in rows["fp8_r3"])
+
+
 def test_teacher_of_another_model_shape_is_refused(init_workdir, tmp_path):
   cfg = config_lib.get_preset("tiny", hidden_size=32)
   other = ckpt_lib.save_params(str(tmp_path / "other"), cfg, gnn.init_params(cfg, 1))

@@ -275,7 +275,7 @@ fwd = policy.jitted_forward(cfg, chunk_size=16, mesh=trainer,
                             batch_sh=shd.replicated(trainer))
 b = {"tokens": seq, "positions": np.arange(seq.shape[1], dtype=np.int32)[None],
      "segment_ids": np.ones_like(seq)}
-logp, _, topk = fwd(v1, {k: shd.from_host(v, shd.replicated(trainer)) for k, v in b.items()})
+logp, _, topk, _ = fwd(v1, {k: shd.from_host(v, shd.replicated(trainer)) for k, v in b.items()})
 got = np.asarray(logp)[0, len(prompt):]
 assert np.max(np.abs(got - np.asarray(out.logprobs))) <= 1e-6, (got, out.logprobs)
 keys = lambda row: set(np.asarray(row).tolist()) - {-1}

@@ -123,7 +123,9 @@ def test_summary_reports_grpo_and_the_async_rl_stage(tmp_path):
                       {"step": 1, "reward_mean": 0.6, "staleness_max": 1.0,
                        "trainer_idle_ratio": 0.3, **rl},
                       {"step": 2, "reward_mean": 0.7, "staleness_max": 0.0,
-                       "trainer_idle_ratio": 0.2, **rl, "topk_positions": 12.0},
+                       "trainer_idle_ratio": 0.2, **rl, "topk_positions": 12.0,
+                       "logp_abs_diff_mean": 0.0, "routing_mismatches": 1.0,
+                       "routing_pairs": 40.0},
                       {"step": 2, "heldout_success_rate": 0.75}]
   for name, ms in rows.items():
     os.makedirs(tmp_path / name)
@@ -135,10 +137,13 @@ def test_summary_reports_grpo_and_the_async_rl_stage(tmp_path):
   assert s["post_training"]["heldout_accuracy_after_grpo"] == 0.625
   assert s["async_rl"] == {
       "heldout_accuracy_before": 0.625, "heldout_accuracy_after": 0.75, "updates": 2,
-      "train_rollout_logp_abs_diff_max": 0.0, "topk_mismatches": 0.0,
-      "topk_positions_compared": 22.0, "staleness_max": 1.0, "trainer_idle_ratio": 0.2}
+      "train_rollout_logp_abs_diff_max": 0.0, "train_rollout_logp_abs_diff_mean": 0.0,
+      "topk_mismatches": 0.0, "topk_positions_compared": 22.0, "routing_mismatches": 1.0,
+      "routing_pairs_compared": 40.0, "routing_mismatch_rate": 0.025, "staleness_max": 1.0,
+      "trainer_idle_ratio": 0.2}
   assert ("async RL (2 updates, staleness <= 1): held-out accuracy 0.625 -> 0.750; "
-          "|dlogp| max 0, top-k mismatches 0 of 22") in main_job_report.table(s)
+          "|dlogp| max 0, top-k mismatches 0 of 22, routing mismatches 1 of 40"
+          ) in main_job_report.table(s)
   assert s["post_training"]["grpo_gain"] == 0.125
   # Every number outside the ranges a new machine can expect is named (eval losses of 1.0,
   # 62.5% after GRPO); with ranges around it, none.

@@ -54,6 +54,14 @@ to a power of two >= 16 (at most `prefill_chunk`), block tables to a power-of-tw
 blocks; decode runs `steps_per_sync` steps per call. Padding is never written and never
 attended to (nn/kv_cache.py).
 
+Precision (precision.py): `weight_dtype` serves the float parameters as they are (float32,
+the default: the trainer's forward bitwise), cast to bfloat16, or with their targeted
+matrices in FP8 (block scales) or INT4 (group scales), quantized on the device at
+construction and at every `update_params`; the KV cache holds its latent rows in
+`kv_dtype`. Low precision is a deliberate train/rollout gap, which the RL loops measure per
+step. `record_routing=True` returns each token's routed experts per MoE layer (rollout
+routing replay, GLM-5's MoE RL: the trainer can replay them).
+
 Errors (ValueError, raised before any state changes, so the engine keeps serving): empty
 prompt, token ids outside the vocabulary, a request larger than the cache, unknown request
 or session ids, a session with a turn in flight, n < 1, `update_params` with a tree of
@@ -79,7 +87,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from glm5_jax import nn as gnn
 from glm5_jax import sharding as shd
+from glm5_jax import quant
 from glm5_jax.inference import paging
+from glm5_jax.inference import precision
 from glm5_jax.inference import steps
 from glm5_jax.inference.sampling import SamplingParams
 from glm5_jax.nn import layer_stack
@@ -108,6 +118,13 @@ class GenerationOutput:
       recorded version.
     num_cached_prompt_tokens: prompt rows taken from the cache (a session's conversation or
       a shared prefix) instead of being prefilled.
+    routing: with `record_routing=True`, {absolute position: int32 [L_moe, K]} the experts
+      each MoE layer routed the token at that position to (the same first-computation rule
+      as `topk_indices`).
+
+  Records of rows a request took from a shared prefix come from the request that computed
+  them (the engine keeps them with the cached blocks), so every processed position is
+  recorded once per request.
   """
   request_id: int
   token_ids: list
@@ -119,6 +136,7 @@ class GenerationOutput:
   num_accepted: int = 0
   topk_indices: dict | None = None
   num_cached_prompt_tokens: int = 0
+  routing: dict | None = None
 
   @property
   def acceptance_length(self) -> float:
@@ -160,6 +178,7 @@ class _Request:
   lps: list = dataclasses.field(default_factory=list)
   versions: list = dataclasses.field(default_factory=list)
   topk: dict | None = None
+  routing: dict | None = None
   rounds: int = 0
   accepted: int = 0
   cached_prompt: int = 0
@@ -214,18 +233,18 @@ def invariant_tokens(cfg, platform: str = "cpu") -> int:
 
 @functools.lru_cache(maxsize=32)
 def _step_fns(cfg, bs: int, speculative: bool, steps_per_sync: int, num_draft: int,
-              rounds_per_sync: int, min_draft_lanes: int):
+              rounds_per_sync: int, min_draft_lanes: int, routing: bool = False):
   """The jitted device steps of an engine, shared by every engine of the same configuration
   (an evaluation engine, a restarted rollout worker), so their compilations are reused."""
   def prefill(params, cache, h_last, lanes, table, tokens, start, n_valid, h_valid, packed):
     cache, h, out = steps.prefill(cfg, bs, speculative, params, cache,
                                   jnp.take(h_last, lanes, axis=0, mode="clip"), table, tokens,
-                                  start, n_valid, h_valid, steps.unpack_state(packed))
+                                  start, n_valid, h_valid, steps.unpack_state(packed), routing)
     return cache, h_last.at[lanes].set(h, mode="drop"), out
 
   def decode(params, cache, table, packed):
     cache, st, out = steps.decode(cfg, bs, steps_per_sync, params, cache, table,
-                                  steps.unpack_state(packed))
+                                  steps.unpack_state(packed), routing)
     return cache, {"pos": st["pos"], "active": st["active"]}, out
 
   def spec_rounds(params, cache, h_all, lanes, table, packed):
@@ -234,7 +253,8 @@ def _step_fns(cfg, bs: int, speculative: bool, steps_per_sync: int, num_draft: i
     def body(carry, _):
       cache, fold, st = carry
       cache, fold, st, out = steps.speculative_round(cfg, bs, num_draft, params, cache,
-                                                     fold, table, st, min_draft_lanes)
+                                                     fold, table, st, min_draft_lanes,
+                                                     routing)
       return (cache, fold, st), out
     fold = steps.init_fold(st, h_last, num_draft)
     (cache, fold, st), outs = steps.scan_while_active(body, (cache, fold, st),
@@ -352,7 +372,10 @@ class Engine:
                steps_per_sync: int = 8, speculative: bool = False, num_draft: int | None = None,
                rounds_per_sync: int = 1, scheduling: str = "continuous", version: int = 0,
                mesh=None, rules=None, batch_invariant: bool = True,
-               shape_buckets: bool = True):
+               shape_buckets: bool = True, weight_dtype: str = "float32",
+               kv_dtype: str = "float32", quant_targets: str | None = None,
+               quant_block: int | None = None, keep_indexer: bool = False,
+               record_routing: bool = False):
     """Args:
       cfg: ModelConfig.
       params: the model's parameter tree (nn.init_params / hf.load_pretrained / a trainer).
@@ -380,6 +403,13 @@ class Engine:
         max_batch lanes over the whole max_len view, so only the prefill chunk length
         varies; for long runs where compiling each bucket costs more than the idle lanes
         (RL rollouts on CPU compile ~5 s per shape of the tiny model).
+      weight_dtype: "float32" (the parameters as given), "bfloat16", "float8_e4m3fn" or
+        "int4" (precision.py); quant_targets / quant_block: the quantized target group and
+        its block edge or group size (default: all_linear, 128 for FP8; experts, 32 for
+        INT4); keep_indexer: the indexer's weights stay as given.
+      kv_dtype: the latent KV cache's dtype ("float32", "bfloat16", "float8_e4m3fn").
+      record_routing: requests may record each token's routed experts (`submit`); the steps
+        then also return them.
     """
     for name, v in (("max_batch", max_batch), ("max_len", max_len), ("block_size", block_size),
                     ("prefill_chunk", prefill_chunk), ("steps_per_sync", steps_per_sync),
@@ -400,6 +430,11 @@ class Engine:
       if num_draft < 1:
         raise ValueError(f"Engine num_draft={num_draft}: expected >= 1 with speculative=True")
     check_finite(params, "Engine params")
+    self.weight_dtype, self.kv_dtype = weight_dtype, precision.check_kv_dtype(kv_dtype)
+    self._scheme = precision.scheme_for(weight_dtype, quant_targets, quant_block, keep_indexer)
+    if self._scheme is not None:
+      quant.check_tree(params, self._scheme)
+    self.record_routing = bool(record_routing)
     per_request = -(-max_len // block_size)
     num_blocks = max_batch * per_request if num_blocks is None else num_blocks
     if not isinstance(num_blocks, int) or num_blocks < 1:
@@ -424,11 +459,15 @@ class Engine:
     per_shard = num_blocks // self._n_shards
     self._pools = [paging.BlockPool(per_shard, block_size, lookahead=1 if speculative else 0,
                                     first=i * per_shard) for i in range(self._n_shards)]
+    self._template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
     self._placement = self._shardings(params, rules)
+    self._converter = self._make_converter()
     self._owned = None                 # per leaf: a copy the engine made (freed on a swap)
-    self.params = self._place(params)
+    self.params = self._place(self._converter(params))
     self._n_stop = 4
-    cache = layer_stack.init_cache(cfg, num_blocks * block_size, with_mtp=speculative)
+    self._records: dict[int, list] = {}      # cached block -> its rows' (topk, routing)
+    cache = layer_stack.init_cache(cfg, num_blocks * block_size, with_mtp=speculative,
+                                   kv_dtype=self.kv_dtype)
     self._cache = jax.device_put(cache, self._placement["cache"](cache))
     h_last = jnp.zeros((max_batch, cfg.hidden_size), cfg.dtype)
     self._h_last = jax.device_put(h_last, self._placement["rows"])
@@ -444,15 +483,33 @@ class Engine:
     self.last_stats: dict = {}
     self._prefill, self._decode, self._spec, self._set_h = _step_fns(
         cfg, block_size, speculative, steps_per_sync, num_draft, rounds_per_sync,
-        self._min_tokens if self._n_shards == 1 else 1)
+        self._min_tokens if self._n_shards == 1 else 1, self.record_routing)
+
+  def _convert(self, params):
+    return precision.convert(params, self.weight_dtype, self._scheme)
+
+  def _make_converter(self):
+    """params -> the served parameters (precision.py), on the devices, into the placement;
+    the identity when nothing is converted (float32: the given arrays are served)."""
+    if self.weight_dtype == "float32" and self._scheme is None:
+      return lambda p: p
+    flat_sh = self._placement["params"]
+    fn = jax.jit(self._convert, out_shardings=flat_sh)
+
+    def convert(params):
+      with self._mesh_scope():
+        return fn(params)
+    return convert
 
   def _shardings(self, params, rules):
     """Where parameters, cache and per-slot rows live (one placement: no recompiles)."""
+    served = jax.eval_shape(self._convert, self._template)
     if self.mesh is None:
       dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-      return {"params": jax.tree.map(lambda _: dev, params), "rows": dev,
+      return {"params": jax.tree.map(lambda _: dev, served), "rows": dev,
               "cache": lambda c: jax.tree.map(lambda _: dev, c)}
     param_sh = serving_shardings(self.cfg, self.mesh, rules)
+    param_sh = precision.converted_shardings(served, param_sh)
     axes = tuple(a for a in shd.BATCH_AXES if self.mesh.shape.get(a, 1) > 1) or None
     rows = NamedSharding(self.mesh, P(axes))
     pool = lambda x: NamedSharding(self.mesh, P(*([None] * (x.ndim - 2)), axes, None))
@@ -493,12 +550,13 @@ class Engine:
     on; see the module docstring. Running requests and sessions are prefilled again under the
     new weights. A ValueError names the first missing, extra or mismatched leaf, or the first
     leaf holding a NaN or inf, before anything changes."""
-    diff = tree_diff(params, self.params)
+    diff = tree_diff(params, self._template)
     if diff is not None:
       raise ValueError(f"update_params: the parameter tree differs from the engine's (a "
                        f"different config?): {diff}")
     check_finite(params, "update_params")
-    self.params = self._place(params)
+    self.params = self._place(self._converter(params))
+    self._records = {}
     self.version = version
     running = sorted((r for r in self._slots if r is not None), key=lambda r: r.rid)
     for r in running:
@@ -540,7 +598,7 @@ class Engine:
   # ------------------------------------------------------------------ requests
   def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(), *,
              n: int = 1, session_id: str | None = None, record_topk: bool = False,
-             stream: int = 0) -> list[int]:
+             stream: int = 0, record_routing: bool = False) -> list[int]:
     """Queues a request (n copies of it); returns their request ids.
 
     Args:
@@ -551,6 +609,8 @@ class Engine:
       session_id: a session from `new_session` (n must be 1), or None.
       record_topk: also return each layer's DSA top-k per processed position.
       stream: the first sampling stream (requests with equal seed and stream sample alike).
+      record_routing: also return each MoE layer's routed experts per processed position
+        (an engine made with `record_routing=True`).
     """
     prompt = _as_prompt(prompt_ids, "prompt_ids")
     if not isinstance(sampling, SamplingParams):
@@ -558,6 +618,9 @@ class Engine:
     self._check_stop_ids(sampling)
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
       raise ValueError(f"submit: n={n!r}, expected an int >= 1")
+    if record_routing and not self.record_routing:
+      raise ValueError("submit: record_routing=True on an engine made with "
+                       "record_routing=False; construct the Engine with record_routing=True")
     session = None
     if session_id is not None:
       session = self._session(session_id)
@@ -583,7 +646,8 @@ class Engine:
       rid = next(self._ids)
       r = _Request(rid, stream + j, sampling, session, record_topk, conv + prompt, budget,
                    leader=ids[0] if ids else None,
-                   topk={} if record_topk else None)
+                   topk={} if record_topk else None,
+                   routing={} if record_routing else None)
       self._requests[rid] = r
       self._waiting.append(r)
       ids.append(rid)
@@ -644,7 +708,8 @@ class Engine:
 
   def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[
       SamplingParams] = SamplingParams(), *, session_id=None,
-               record_topk: bool = False) -> list[GenerationOutput]:
+               record_topk: bool = False, record_routing: bool = False
+               ) -> list[GenerationOutput]:
     """Submits every prompt and steps until they finish (token ids in, token ids out).
 
     Args:
@@ -652,6 +717,7 @@ class Engine:
       sampling: one SamplingParams for all requests or one per request.
       session_id: None, one id (one prompt), or one id (or None) per prompt.
       record_topk: also return each layer's DSA top-k per processed position.
+      record_routing: also return each MoE layer's routed experts per processed position.
 
     Returns:
       One GenerationOutput per prompt, in order. Other requests' outputs that finish
@@ -675,7 +741,8 @@ class Engine:
       except ValueError as e:
         raise ValueError(f"prompts[{i}]: {e}") from None
     t0, before = time.perf_counter(), dict(self.stats)
-    ids = [self.submit(p, sp, session_id=sid, record_topk=record_topk, stream=i)[0]
+    ids = [self.submit(p, sp, session_id=sid, record_topk=record_topk, stream=i,
+                       record_routing=record_routing)[0]
            for i, (p, sp, sid) in enumerate(zip(prompts, sps, sids))]
     outs = self.wait(ids)
     self.last_stats = {k: self.stats[k] - before.get(k, 0) for k in self.stats}
@@ -787,6 +854,7 @@ class Engine:
       r.blocks = pool.lookup(r.tokens, self.version, max_shared)
       r.cache_len = len(r.blocks) * self.block_size
       r.cached_prompt, r.h_valid = r.cache_len, False
+      self._recall(r)
     r.shard = shard
     rows = len(r.tokens) + (r.budget - len(r.gen)) - 1
     fresh = self._allocate(pool.blocks_for(rows) - len(r.blocks), r.session, shard)
@@ -794,6 +862,28 @@ class Engine:
       return False
     r.blocks = r.blocks + fresh
     return True
+
+  def _remember(self, r: _Request, blocks) -> None:
+    """Keeps the records (top-k, routing) of the rows of `blocks` (newly cached prefix
+    blocks of r) for the requests that will share them."""
+    if r.topk is None and r.routing is None:
+      return
+    pos = {b: j * self.block_size for j, b in enumerate(r.blocks)}
+    for b in blocks:
+      rows = range(pos[b], pos[b] + self.block_size)
+      self._records[b] = [((r.topk or {}).get(p), (r.routing or {}).get(p)) for p in rows]
+
+  def _recall(self, r: _Request) -> None:
+    """Fills r's records of the rows it took from cached blocks (`_remember`)."""
+    if r.topk is None and r.routing is None:
+      return
+    for j, b in enumerate(r.blocks):
+      for i, (topk, routing) in enumerate(self._records.get(b, ())):
+        p = j * self.block_size + i
+        if r.topk is not None and topk is not None:
+          r.topk.setdefault(p, topk)
+        if r.routing is not None and routing is not None:
+          r.routing.setdefault(p, routing)
 
   def _allocate(self, n, keep, shard):
     """n blocks of `shard`, evicting its idle sessions least recently used first if needed."""
@@ -856,7 +946,7 @@ class Engine:
       st["stop"][i, :len(sp.stop_token_ids)] = sp.stop_token_ids
     return st
 
-  def _emit(self, r: _Request, tok: int, lp: float, pos: int, topk_lk=None):
+  def _emit(self, r: _Request, tok: int, lp: float, pos: int, topk_lk=None, routing_lk=None):
     """Accounts one generated token of r (sampled for position pos + 1)."""
     r.gen.append(tok)
     r.lps.append(lp)
@@ -865,6 +955,8 @@ class Engine:
     r.sampled = True
     if r.topk is not None and topk_lk is not None:
       r.topk[pos] = topk_lk
+    if r.routing is not None and routing_lk is not None:
+      r.routing[pos] = routing_lk
     self.stats["generated_tokens"] += 1
     if tok in r.sampling.stop_token_ids or len(r.gen) >= r.budget:
       r.active = False
@@ -898,10 +990,14 @@ class Engine:
       if r.topk is not None and out["topk"] is not None:
         for j in range(n_valid[i]):     # first computation wins: a re-prefill after a weight
           r.topk.setdefault(int(start[i]) + j, out["topk"][:, i, j])   # swap keeps the record
+      if r.routing is not None and out.get("routing") is not None:
+        for j in range(n_valid[i]):
+          r.routing.setdefault(int(start[i]) + j, out["routing"][:, i, j])
       if r.cache_len == r.feed_end and not r.prefilled:
         r.prefilled = True
         pool = self._pools[r.shard]
-        pool.register(r.tokens, r.blocks, self.version, r.cache_len - pool.lookahead)
+        self._remember(r, pool.register(r.tokens, r.blocks, self.version,
+                                        r.cache_len - pool.lookahead))
       if r.cache_len == r.feed_end and not r.sampled:
         self._emit(r, int(out["tok"][i]), float(out["logprob"][i]), r.cache_len - 1)
     self.stats["prefill_tokens"] += int(n_valid.sum())
@@ -932,8 +1028,9 @@ class Engine:
           r.accepted += int(min(out["n_accepted"][k, i], e))
           for j in range(e):
             topk = None if out["topk"] is None else out["topk"][k, :, i, j]
+            routing = None if out.get("routing") is None else out["routing"][k, :, i, j]
             self._emit(r, int(out["tok"][k, i, j]), float(out["logprob"][k, i, j]),
-                       int(out["pos"][k, i]) + j, topk)
+                       int(out["pos"][k, i]) + j, topk, routing)
           self.stats["rounds"] += 1
           self.stats["decode_slot_steps"] += 1
       self.stats["decode_steps"] += int((out["n_emit"] > 0).any(axis=1).sum())   # rounds run
@@ -945,8 +1042,9 @@ class Engine:
         for i, b in live:
           if out["emit"][s, i]:
             topk = None if out["topk"] is None else out["topk"][s, :, i]
+            routing = None if out.get("routing") is None else out["routing"][s, :, i]
             self._emit(self._slots[b], int(out["tok"][s, i]), float(out["logprob"][s, i]),
-                       int(out["pos"][s, i]), topk)
+                       int(out["pos"][s, i]), topk, routing)
       self.stats["decode_slot_steps"] += int(out["emit"].sum())
       self.stats["decode_steps"] += int(out["emit"].any(axis=1).sum())           # steps run
     for i, b in live:
@@ -976,7 +1074,7 @@ class Engine:
       self._pools[r.shard].release(r.blocks)
     return GenerationOutput(r.rid, r.gen, r.lps, r.versions, reason,
                             None if r.session is None else r.session.sid, r.rounds, r.accepted,
-                            r.topk, r.cached_prompt)
+                            r.topk, r.cached_prompt, r.routing)
 
   @property
   def slot_utilisation(self) -> float:

@@ -99,14 +99,19 @@ class BlockPool:
       out.append(b)
     return out
 
-  def register(self, tokens: Sequence[int], blocks: Sequence[int], version, n_rows: int) -> None:
-    """Makes the full blocks among the first n_rows rows of a request matchable."""
+  def register(self, tokens: Sequence[int], blocks: Sequence[int], version,
+               n_rows: int) -> list[int]:
+    """Makes the full blocks among the first n_rows rows of a request matchable; returns the
+    blocks registered by this call (not those already cached)."""
     n_full = min(len(blocks), (min(n_rows, len(tokens) - self.lookahead)) // self.block_size)
+    out = []
     for b, key in zip(blocks[:n_full], self._keys(tokens, version, n_full)):
       if b in self._key_of or key in self._by_key:
         continue
       self._key_of[b] = key
       self._by_key[key] = b
+      out.append(b)
+    return out
 
   def refcount(self, block: int) -> int:
     return self._ref[block]

@@ -68,12 +68,15 @@ def num_rows(cache) -> int:
   return jax.tree_util.tree_leaves(cache["layers"])[0].shape[-2]
 
 
-def forward(cfg, block_size, params, cache, table_bm, tokens_bt, start_b, n_valid_b):
-  """The main model over a chunk. Returns (ModelOutput (no logits), updated cache)."""
+def forward(cfg, block_size, params, cache, table_bm, tokens_bt, start_b, n_valid_b,
+            routing: bool = False):
+  """The main model over a chunk. Returns (ModelOutput (no logits; with `routing` its routed
+  experts), updated cache)."""
   idx = kv_cache.chunk_index(table_bm, block_size, start_b, n_valid_b, tokens_bt.shape[1],
                              num_rows(cache))
   return model_lib.GLM5(cfg).apply({"params": params}, tokens_bt, idx.limit_bt, cache=cache,
-                                   cache_index=idx, return_topk=True, return_logits=False)
+                                   cache_index=idx, return_topk=True, return_logits=False,
+                                   return_routing=routing)
 
 
 def head(cfg, params, normed):
@@ -116,7 +119,7 @@ def _pick(logits_bv, st):
 
 
 def prefill(cfg, block_size, with_mtp, params, cache, h_last, table_bm, tokens_bt, start_b,
-            n_valid_b, h_valid_b, st):
+            n_valid_b, h_valid_b, st, routing: bool = False):
   """One prefill chunk: rows start[b] .. start[b] + n_valid[b] - 1 get tokens[b, :n_valid[b]].
 
   h_valid_b: bool [b], h_last holds the main hidden state of row start[b] - 1 (else the MTP
@@ -124,9 +127,10 @@ def prefill(cfg, block_size, with_mtp, params, cache, h_last, table_bm, tokens_b
 
   Returns (cache, h_last, out) with out = {tok [b], logprob [b]: a token sampled from the
   logits at each row's last valid token (used by the host where the prompt ends),
-  topk [L, b, t, K] or None}.
+  topk [L, b, t, K] or None, routing [L_moe, b, t, K] or None}.
   """
-  out, cache = forward(cfg, block_size, params, cache, table_bm, tokens_bt, start_b, n_valid_b)
+  out, cache = forward(cfg, block_size, params, cache, table_bm, tokens_bt, start_b, n_valid_b,
+                       routing)
   last = jnp.maximum(n_valid_b - 1, 0)
   take = lambda x: jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
   tok, lp = _pick(head(cfg, params, take(out.hidden)), st)
@@ -137,7 +141,8 @@ def prefill(cfg, block_size, with_mtp, params, cache, h_last, table_bm, tokens_b
     _, _, cache = mtp(cfg, block_size, params, cache, table_bm, tokens_bt, h_prev, start_b - 1,
                       n_valid_b, (~h_valid_b).astype(jnp.int32))
     h_last = jnp.where((n_valid_b > 0)[:, None], take(h0).astype(h_last.dtype), h_last)
-  return cache, h_last, {"tok": tok, "logprob": lp, "topk": _stack_topk(out.topk_indices)}
+  return cache, h_last, {"tok": tok, "logprob": lp, "topk": _stack_topk(out.topk_indices),
+                         "routing": out.routing}
 
 
 def _advance(st, tok_b, emit_b):
@@ -167,7 +172,7 @@ def scan_while_active(step, carry, length: int):
   return carry, outs
 
 
-def decode(cfg, block_size, n_steps, params, cache, table_bm, st):
+def decode(cfg, block_size, n_steps, params, cache, table_bm, st, routing: bool = False):
   """Up to n_steps plain decode steps (`scan_while_active`). Returns (cache, st, per-step
   outputs)."""
 
@@ -175,11 +180,12 @@ def decode(cfg, block_size, n_steps, params, cache, table_bm, st):
     cache, st = carry
     emit = st["active"].astype(jnp.int32)
     out, cache = forward(cfg, block_size, params, cache, table_bm, st["tok"][:, None],
-                         st["pos"], emit)
+                         st["pos"], emit, routing)
     tok, lp = _pick(head(cfg, params, out.hidden[:, 0]), st)
     topk = _stack_topk(out.topk_indices)
     res = {"tok": tok, "logprob": lp, "emit": emit, "pos": st["pos"],
-           "topk": None if topk is None else topk[:, :, 0]}
+           "topk": None if topk is None else topk[:, :, 0],
+           "routing": None if out.routing is None else out.routing[:, :, 0]}
     st = _advance({**st, "pos": st["pos"] + emit}, tok, emit)
     return (cache, st), res
 
@@ -210,7 +216,7 @@ def pad_lanes(x, n: int, value=0):
 
 
 def speculative_round(cfg, block_size, n_draft, params, cache, fold, table_bm, st,
-                      min_draft_lanes: int = 1):
+                      min_draft_lanes: int = 1, routing: bool = False):
   """One draft / verify / accept round (module docstring). Returns (cache, fold, st, out)
   with out = {tok [b, D+1], logprob [b, D+1], n_emit [b], n_accepted [b], pos [b],
   topk [L, b, D+1, K] or None}; row b emitted tok[b, :n_emit[b]].
@@ -270,7 +276,8 @@ def speculative_round(cfg, block_size, n_draft, params, cache, fold, table_bm, s
 
   # 2. Verify with one main-model forward over D + 1 tokens.
   vtok = jnp.concatenate([st["tok"][:, None], drafts_bd], axis=1)
-  out, cache = forward(cfg, block_size, params, cache, table_bm, vtok, n0, act * (d + 1))
+  out, cache = forward(cfg, block_size, params, cache, table_bm, vtok, n0, act * (d + 1),
+                       routing)
   h0 = out.last_hidden
   logits = head(cfg, params, out.hidden)                                 # [b, D+1, V]
   v = logits.shape[-1]
@@ -302,5 +309,5 @@ def speculative_round(cfg, block_size, n_draft, params, cache, fold, table_bm, s
         "pos": n0 + n_emit, "n_gen": n_gen,
         "active": st["active"] & ~stopped & (n_gen < st["budget"])}
   res = {"tok": out_tok, "logprob": out_lp, "n_emit": n_emit, "n_accepted": n_acc * act,
-         "pos": n0, "topk": _stack_topk(out.topk_indices)}
+         "pos": n0, "topk": _stack_topk(out.topk_indices), "routing": out.routing}
   return cache, fold, st, res

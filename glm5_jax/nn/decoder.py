@@ -19,14 +19,16 @@ _ACT = ("activation_batch", "activation_length", "activation_embed")
 
 class DecoderLayer(nn.Module):
   """Returns (h [b,t,d], top-k indices or None, indexer KL or None, expert load [E] or None,
-  updated cache or None). `cache`, `cache_index`: this layer's KV pool (nn/kv_cache.py)."""
+  updated cache or None, routed expert ids [b,t,K] or None). `cache`, `cache_index`: this
+  layer's KV pool (nn/kv_cache.py); `replay`: MoE experts to use (rollout routing replay,
+  nn/moe.py `route`)."""
   cfg: "ModelConfig"  # noqa: F821
   moe: bool
   has_indexer: bool = True
 
   @nn.compact
   def __call__(self, h_btd, cos, sin, prev_indices=None, doc_start=None,
-               with_indexer_loss=False, order=None, cache=None, cache_index=None):
+               with_indexer_loss=False, order=None, cache=None, cache_index=None, replay=None):
     cfg = self.cfg
     h_btd = nn.with_logical_constraint(h_btd, _ACT)
     x = norms.RMSNorm(cfg.rms_norm_eps, param_dtype=cfg.param_dtype, name="input_norm")(h_btd)
@@ -37,11 +39,11 @@ class DecoderLayer(nn.Module):
     x = norms.RMSNorm(cfg.rms_norm_eps, param_dtype=cfg.param_dtype,
                       name="post_attention_norm")(h_btd)
     if self.moe:
-      y, load = moe_lib.MoE(cfg, name="moe")(x)
+      y, load, ids = moe_lib.MoE(cfg, name="moe")(x, replay)
     else:
-      y, load = ffn.MLP(cfg, cfg.intermediate_size, name="mlp")(x), None
+      y, load, ids = ffn.MLP(cfg, cfg.intermediate_size, name="mlp")(x), None, None
     h_btd = h_btd + y.astype(h_btd.dtype)
-    return nn.with_logical_constraint(h_btd, _ACT), indices, kl, load, cache
+    return nn.with_logical_constraint(h_btd, _ACT), indices, kl, load, cache, ids
 
 
 def remat_layer(cfg):

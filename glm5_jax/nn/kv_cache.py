@@ -42,16 +42,29 @@ class CacheIndex(NamedTuple):
   limit_bt: Any
 
 
-def layer_cache(cfg, num_rows: int, has_indexer: bool, lead=()):
-  """Zeros {'kv': [*lead, N, c + p] cfg.dtype, 'k_idx': [*lead, N, d_i] float32 (if indexed)}."""
-  out = {"kv": jnp.zeros((*lead, num_rows, cfg.kv_lora_rank + cfg.qk_rope_head_dim), cfg.dtype)}
+def layer_cache(cfg, num_rows: int, has_indexer: bool, lead=(), kv_dtype=None):
+  """Zeros {'kv': [*lead, N, c + p] kv_dtype (default cfg.dtype), 'k_idx': [*lead, N, d_i]
+  float32 (if indexed)}. An FP8 `kv_dtype` stores the latent rows as a plain cast, clipped to
+  the format's range (`write`)."""
+  out = {"kv": jnp.zeros((*lead, num_rows, cfg.kv_lora_rank + cfg.qk_rope_head_dim),
+                         cfg.dtype if kv_dtype is None else kv_dtype)}
   if has_indexer:
     out["k_idx"] = jnp.zeros((*lead, num_rows, cfg.index_head_dim), jnp.float32)
   return out
 
 
+def _fit(rows, dtype):
+  """rows as the pool's dtype; into an 8-bit float's finite range first (a cast past it
+  is NaN for float8_e4m3fn)."""
+  dtype = jnp.dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 1:
+    m = float(jnp.finfo(dtype).max)
+    rows = jnp.clip(rows, -m, m)
+  return rows.astype(dtype)
+
+
 def _write_local(pool_nx, rows_btx, write_bt):
-  return pool_nx.at[write_bt].set(rows_btx.astype(pool_nx.dtype), mode="drop")
+  return pool_nx.at[write_bt].set(_fit(rows_btx, pool_nx.dtype), mode="drop")
 
 
 def _read_local(pool_nx, read_bs):

@@ -111,33 +111,41 @@ class LayerBlock(nn.Module):
 
   carry: (h [b,t,d], top-k indices [b,t,k] int32 or None). Outputs per repeat: the
   indexer KL of each block layer `kl [p]` (0 where the layer has no indexer), the expert
-  load of each MoE layer `load [p_moe, E]`, with `return_topk` the top-k of each layer, and
+  load of each MoE layer `load [p_moe, E]`, with `return_topk` the top-k of each layer, with
+  `return_routing` the routed experts of each MoE layer `routing [p_moe, b, t, K]`, and
   with a KV cache (scanned like the parameters, nn/kv_cache.py) the updated cache.
+  `replay`: [p_moe, b, t, K] experts each MoE layer of the block uses (routing replay), or
+  None.
   """
   cfg: Any
   block: tuple[LayerKind, ...]
   with_indexer_loss: bool = False
   return_topk: bool = False
+  return_routing: bool = False
 
   @nn.compact
-  def __call__(self, carry, cos, sin, doc_start, order, cache, cache_index):
+  def __call__(self, carry, cos, sin, doc_start, order, cache, cache_index, replay):
     h, indices = carry
     layer_cls = decoder_lib.remat_layer(self.cfg)
-    kls, loads, topk, caches = [], [], [], {}
+    kls, loads, topk, routing, caches = [], [], [], [], {}
     for j, kind in enumerate(self.block):
       name = f"layer_{j}"
-      h, idx, kl, load, caches[name] = layer_cls(
+      rep = None if replay is None or not kind.moe else replay[len(loads)]
+      h, idx, kl, load, caches[name], ids = layer_cls(
           self.cfg, moe=kind.moe, has_indexer=kind.has_indexer, name=name)(
               h, cos, sin, indices, doc_start, self.with_indexer_loss, order,
-              None if cache is None else cache[name], cache_index)
+              None if cache is None else cache[name], cache_index, rep)
       indices = idx if idx is not None else indices
       kls.append(jnp.zeros((), jnp.float32) if kl is None else kl)
       if load is not None:
         loads.append(load)
+        routing.append(ids)
       topk.append(idx)
     ys = {"kl": jnp.stack(kls)}
     if loads:
       ys["load"] = jnp.stack(loads)
+    if self.return_routing and routing:
+      ys["routing"] = jnp.stack(routing)
     if self.return_topk and topk[0] is not None:
       ys["topk"] = jnp.stack(topk)
     if cache is not None:
@@ -148,50 +156,72 @@ class LayerBlock(nn.Module):
 def scanned(stack: LayerStack):
   """`LayerBlock` scanned `stack.repeats` times, parameters stacked on the `layers` axis."""
   return nn.scan(LayerBlock, variable_axes={"params": 0, "intermediates": 0},
-                 split_rngs={"params": True}, in_axes=(nn.broadcast,) * 4 + (0, nn.broadcast),
+                 split_rngs={"params": True},
+                 in_axes=(nn.broadcast,) * 4 + (0, nn.broadcast, 0),
                  length=stack.repeats, metadata_params={nn.PARTITION_NAME: LAYERS_AXIS})
 
 
+def num_moe_layers(cfg) -> int:
+  """MoE decoder layers (the MTP layer not counted)."""
+  return sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+
+
 def run_stacks(module: nn.Module, cfg, h, cos, sin, doc_start, order, *, with_indexer_loss,
-               return_topk, cache=None, cache_index=None):
+               return_topk, cache=None, cache_index=None, return_routing=False, replay=None):
   """All decoder layers of `cfg`, one scan per stack, as submodules of `module`.
 
   cache: {stack name: stacked per-layer pools} (nn/kv_cache.py), read and written.
+  replay: int32 [L_moe, b, t, K] experts of every MoE layer in layer order (routing replay;
+    rows of -1 route as usual), or None.
 
   Returns (h, per-layer KL [L], expert load [L_moe, E], per-layer top-k tuple (entries None
-  under dense attention), updated cache or None).
+  under dense attention), updated cache or None, routed experts [L_moe, b, t, K] int32 (with
+  `return_routing`) or None).
   """
   b, t, _ = h.shape
   s = t if cache_index is None else cache_index.read_bs.shape[1]   # keys each query sees
   indices = (jnp.full((b, t, indexer_lib.num_slots(cfg.index_topk, s)), -1, jnp.int32)
              if cfg.attention_type == "sparse" else None)
-  kls, loads, topk, new_cache = [], [], [], {}
+  kls, loads, topk, routing, new_cache = [], [], [], [], {}
+  row = 0
   for st in layer_stacks(cfg):
-    block = scanned(st)(cfg, st.block, with_indexer_loss, return_topk, name=st.name,
-                        parent=module)
+    n_moe = sum(kind.moe for kind in st.block)
+    rep = None
+    if replay is not None and n_moe:
+      rep = replay[row:row + st.repeats * n_moe]
+      rep = rep.reshape(st.repeats, n_moe, *rep.shape[1:])
+    row += st.repeats * n_moe
+    block = scanned(st)(cfg, st.block, with_indexer_loss, return_topk, return_routing,
+                        name=st.name, parent=module)
     (h, indices), ys = block((h, indices), cos, sin, doc_start, order,
-                             None if cache is None else cache[st.name], cache_index)
+                             None if cache is None else cache[st.name], cache_index, rep)
     if cache is not None:
       new_cache[st.name] = ys["cache"]
     kls.append(ys["kl"].reshape(-1))
     if "load" in ys:
       loads.append(ys["load"].reshape(-1, ys["load"].shape[-1]))
+    if "routing" in ys:
+      routing.append(ys["routing"].reshape(-1, *ys["routing"].shape[2:]))
     if "topk" in ys:
       topk.extend(list(ys["topk"].reshape(-1, *ys["topk"].shape[2:])))
     else:
       topk.extend([None] * st.num_layers)
   load = (jnp.concatenate(loads) if loads
           else jnp.zeros((0, cfg.n_routed_experts), jnp.float32))
-  return h, jnp.concatenate(kls), load, tuple(topk), (new_cache if cache is not None else None)
+  routing = jnp.concatenate(routing) if routing else None
+  return (h, jnp.concatenate(kls), load, tuple(topk),
+          (new_cache if cache is not None else None), routing)
 
 
-def init_cache(cfg, num_rows: int, with_mtp: bool = False):
-  """An empty pool of `num_rows` rows for every decoder layer (and the MTP layer)."""
+def init_cache(cfg, num_rows: int, with_mtp: bool = False, kv_dtype=None):
+  """An empty pool of `num_rows` rows for every decoder layer (and the MTP layer); the latent
+  rows in `kv_dtype` (default cfg.dtype)."""
   layers = {}
   for st in layer_stacks(cfg):
     layers[st.name] = {
-        f"layer_{j}": kv_cache.layer_cache(cfg, num_rows, kind.has_indexer, (st.repeats,))
+        f"layer_{j}": kv_cache.layer_cache(cfg, num_rows, kind.has_indexer, (st.repeats,),
+                                           kv_dtype)
         for j, kind in enumerate(st.block)}
   with_mtp = with_mtp and cfg.num_nextn_predict_layers
-  mtp = kv_cache.layer_cache(cfg, num_rows, True) if with_mtp else None
+  mtp = kv_cache.layer_cache(cfg, num_rows, True, kv_dtype=kv_dtype) if with_mtp else None
   return {"layers": layers, "mtp": mtp}

@@ -190,7 +190,7 @@ class MLA(nn.Module):
     new_cache = None
     if cache is not None:
       new_cache = {**cache, "kv": kv_cache.write(cache["kv"], kv, cache_index.write_bt)}
-      kv = kv_cache.read(new_cache["kv"], cache_index.read_bs)
+      kv = kv_cache.read(new_cache["kv"], cache_index.read_bs).astype(kv.dtype)
       limit = cache_index.limit_bt
     else:
       kv = cp.gather_keys(kv, order)

@@ -53,6 +53,8 @@ class ModelOutput:
       attention), only with `return_topk=True`.
     last_hidden: [b, t, d] the last layer's hidden states before the final norm (the
       MTP module's input).
+    routing: int32 [L_moe, b, t, K] the experts each MoE layer used per token (with
+      `return_routing=True`; the MTP layer's not included), or None.
   """
   logits: Any
   mtp_logits: Any
@@ -64,6 +66,7 @@ class ModelOutput:
   mtp_expert_load: Any
   topk_indices: Any = None
   last_hidden: Any = None
+  routing: Any = None
 
 
 class Embed(nn.Module):
@@ -110,7 +113,8 @@ class GLM5(nn.Module):
   def __call__(self, tokens, positions=None, segment_ids=None, *,
                with_indexer_loss: bool = False,
                return_logits: bool = True, return_topk: bool = False, mtp: bool | None = None,
-               order=None, cache=None, cache_index=None):
+               order=None, cache=None, cache_index=None, return_routing: bool = False,
+               routing_replay=None):
     """Forward pass; over a KV cache (the inference engine) `-> (ModelOutput, cache)`.
 
     Args:
@@ -131,6 +135,10 @@ class GLM5(nn.Module):
         The decoder layers write their rows and attend over the cached sequence; the MTP
         steps do not run (the engine runs the MTP layer over its own cache with
         `mtp_step`). Returns (ModelOutput, updated cache).
+      return_routing: return each MoE layer's routed experts (`ModelOutput.routing`).
+      routing_replay: int32 [L_moe, b, t, K] experts for the MoE layers to use instead of
+        their own top-K (rollout routing replay: the engine's recorded routing; -1 rows route
+        as usual). The routing weights still come from this forward's router.
     """
     cfg = self.cfg
     _check_tokens(cfg, tokens)
@@ -149,10 +157,15 @@ class GLM5(nn.Module):
     head = Head(cfg, name="lm_head")
     final_norm = norms.RMSNorm(cfg.rms_norm_eps, param_dtype=cfg.param_dtype, name="final_norm")
     h = embed(tokens)
-    h, kls, expert_load, all_idx, new_cache = layer_stack.run_stacks(
+    if routing_replay is not None:
+      want = (layer_stack.num_moe_layers(cfg), b, t, cfg.num_experts_per_tok)
+      if tuple(routing_replay.shape) != want:
+        raise ValueError(f"routing_replay: shape {tuple(routing_replay.shape)}, expected "
+                         f"[L_moe, b, t, K] = {list(want)}")
+    h, kls, expert_load, all_idx, new_cache, routing = layer_stack.run_stacks(
         self, cfg, h, cos, sin, doc_start, order, with_indexer_loss=with_indexer_loss,
         return_topk=return_topk, cache=None if cache is None else cache["layers"],
-        cache_index=cache_index)
+        cache_index=cache_index, return_routing=return_routing, replay=routing_replay)
     h_final = h
     hidden = final_norm(h)
     logits = head(hidden, return_logits)
@@ -162,7 +175,7 @@ class GLM5(nn.Module):
       out = ModelOutput(logits=logits, mtp_logits=None, hidden=hidden, mtp_hidden=None,
                         indexer_kl=None, mtp_indexer_kl=None, expert_load=expert_load,
                         mtp_expert_load=None, topk_indices=all_idx if return_topk else None,
-                        last_hidden=h_final)
+                        last_hidden=h_final, routing=routing)
       return out, {**cache, "layers": new_cache}
     mtp_logits = mtp_hidden = mtp_kl = mtp_load = None
     if cfg.num_nextn_predict_layers and (run_mtp or self.is_initializing()):
@@ -184,7 +197,7 @@ class GLM5(nn.Module):
         logits=logits, mtp_logits=mtp_logits, hidden=hidden, mtp_hidden=mtp_hidden,
         indexer_kl=kls if with_indexer_loss else None, mtp_indexer_kl=mtp_kl,
         expert_load=expert_load, mtp_expert_load=mtp_load,
-        topk_indices=all_idx if return_topk else None, last_hidden=h_final)
+        topk_indices=all_idx if return_topk else None, last_hidden=h_final, routing=routing)
 
 
 def mtp_step(cfg, params, next_tokens_bt, h_prev_btd, positions_bt, mtp_cache, cache_index):

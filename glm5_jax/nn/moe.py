@@ -44,8 +44,13 @@ from glm5_jax.nn import moe_ep
 from glm5_jax.nn import params as P
 
 
-def route(cfg, x_nd, router_de, bias_e):
-  """Sigmoid top-K routing. Returns (expert ids int32 [n, K], weights f32 [n, K])."""
+def route(cfg, x_nd, router_de, bias_e, replay_nk=None):
+  """Sigmoid top-K routing. Returns (expert ids int32 [n, K], weights f32 [n, K]).
+
+  replay_nk: int32 [n, K] experts recorded by the rollout engine (rollout routing replay,
+  R3): a token whose row holds them (>= 0) uses those experts; its weights still come from
+  this forward's scores (and the gradient through them). -1 rows route as usual.
+  """
   scores = jax.nn.sigmoid(x_nd.astype(jnp.float32) @ router_de.astype(jnp.float32))
   choice = scores + jax.lax.stop_gradient(bias_e.astype(jnp.float32))
   if cfg.n_group > 1:
@@ -56,6 +61,8 @@ def route(cfg, x_nd, router_de, bias_e):
     group_ok = jnp.any(jax.nn.one_hot(keep, cfg.n_group, dtype=jnp.bool_), axis=1)
     choice = jnp.where(jnp.repeat(group_ok, e // cfg.n_group, axis=1), choice, -jnp.inf)
   _, ids = jax.lax.top_k(choice, cfg.num_experts_per_tok)
+  if replay_nk is not None:
+    ids = jnp.where(replay_nk[:, :1] >= 0, replay_nk.astype(ids.dtype), ids)
   weights = jnp.take_along_axis(scores, ids, axis=-1)
   if cfg.norm_topk_prob:
     weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
@@ -78,7 +85,8 @@ def select_dispatch(cfg, n_tokens: int):
 
 
 class MoE(nn.Module):
-  """Routed experts + shared expert. Returns (y [b,t,d], expert load fraction f32 [E]).
+  """Routed experts + shared expert. Returns (y [b,t,d], expert load fraction f32 [E],
+  routed expert ids int32 [b, t, K]); `replay_btk`: experts to use instead (`route`).
 
   The routed experts run through `select_dispatch(cfg, b*t)`: gathered for a few
   tokens (n*K < E), grouped `ragged_dot` otherwise (blocked on XLA:CPU), and the
@@ -87,14 +95,15 @@ class MoE(nn.Module):
   cfg: "ModelConfig"  # noqa: F821
 
   @nn.compact
-  def __call__(self, x_btd):
+  def __call__(self, x_btd, replay_btk=None):
     cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
     d, i = cfg.hidden_size, cfg.moe_intermediate_size
     router = Router(cfg, name="router")
     experts = Experts(cfg, name="experts")
     b, t, _ = x_btd.shape
     x = x_btd.reshape(b * t, d)
-    ids, weights = router(x)
+    replay = None if replay_btk is None else replay_btk.reshape(b * t, -1)
+    ids, weights = router(x, replay)
     dispatch = select_dispatch(cfg, b * t)
     # Quantized experts (the engine's INT4 / FP8 weights) stay packed into the kernel, which
     # gathers the experts its tokens use before dequantizing them (nn/ffn.py).
@@ -106,7 +115,8 @@ class MoE(nn.Module):
     y = y.reshape(b, t, d)
     if cfg.n_shared_experts:
       y = y + ffn.MLP(cfg, i * cfg.n_shared_experts, name="shared")(x_btd)
-    return y, counts.astype(jnp.float32) / (b * t * cfg.num_experts_per_tok)
+    load = counts.astype(jnp.float32) / (b * t * cfg.num_experts_per_tok)
+    return y, load, ids.reshape(b, t, -1)
 
 
 class Router(nn.Module):
@@ -114,13 +124,13 @@ class Router(nn.Module):
   cfg: "ModelConfig"  # noqa: F821
 
   @nn.compact
-  def __call__(self, x_nd):
+  def __call__(self, x_nd, replay_nk=None):
     cfg = self.cfg
     kernel = P.param(self, "kernel", P.dense_init(cfg), (cfg.hidden_size, cfg.n_routed_experts),
                      ("embed", "router_experts"), "float32")
     bias = P.param(self, "e_score_correction_bias", nn.initializers.zeros,
                    (cfg.n_routed_experts,), ("router_experts",), "float32")
-    return route(cfg, x_nd, kernel, bias)
+    return route(cfg, x_nd, kernel, bias, replay_nk)
 
 
 class Experts(nn.Module):

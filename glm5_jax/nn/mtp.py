@@ -46,7 +46,7 @@ class MTPStep(nn.Module):
     x = jnp.concatenate([e, hh], axis=-1) @ eh_proj.astype(e.dtype)    # embedding FIRST
     layer = decoder_lib.remat_layer(cfg)(cfg, moe=cfg.is_moe_layer(cfg.num_hidden_layers),
                                          name="layer")
-    h, indices, kl, load, cache = layer(x, cos, sin, None, doc_start, with_indexer_loss, order,
-                                        cache, cache_index)
+    h, indices, kl, load, cache, _ = layer(x, cos, sin, None, doc_start, with_indexer_loss,
+                                           order, cache, cache_index)
     normed = norms.RMSNorm(cfg.rms_norm_eps, param_dtype=pd, name="head_norm")(h)
     return h, normed, indices, kl, load, cache

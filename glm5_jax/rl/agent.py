@@ -65,6 +65,7 @@ class _Segment:
   def __init__(self):
     self.tokens, self.loss_mask, self.rollout_logp, self.versions = [], [], [], []
     self.topk: dict | None = None
+    self.routing: dict | None = None
     self.finish_reason = ""
 
   def add_prompt(self, ids):
@@ -88,6 +89,8 @@ class _Segment:
       # weight swap, and the new version's top-k there is not the one that chose the earlier
       # tokens (the trainer compares each token under the version that sampled it).
       self.topk = {**out.topk_indices, **(self.topk or {})}
+    if out.routing:                        # the same first-record rule
+      self.routing = {**out.routing, **(self.routing or {})}
     self.finish_reason = out.finish_reason
 
 
@@ -235,7 +238,8 @@ class Episode:
                        rollout_logp=list(s.rollout_logp), versions=list(s.versions),
                        rollout_id=self.rollout_id, group_id=self.group_id, segment_id=i,
                        status=self.status, reward=self.reward, finish_reason=s.finish_reason,
-                       topk=s.topk, error=self.error, prompt_index=self.prompt_index)
+                       topk=s.topk, routing=s.routing, error=self.error,
+                       prompt_index=self.prompt_index)
             for i, s in segs]
 
   @property
@@ -281,16 +285,18 @@ class Driver:
   tools: what runs a turn's calls: `submit(pool, calls, allowed) -> Future of ToolResults`
   (default: `run_calls` as is; rollout workers add simulated latency and faults);
   on_turn(ep, out): a hook after each engine turn is recorded; record_topk: ask the engine
-  for each layer's DSA top-k (the trainer compares them).
+  for each layer's DSA top-k, record_routing: for each MoE layer's routed experts (the
+  trainer compares both, and may replay the experts).
   """
 
   def __init__(self, engine, tokenizer, *, max_new_tokens: int, temperature: float,
-               tools=None, threads: int = 8, on_turn=None, record_topk: bool = True):
+               tools=None, threads: int = 8, on_turn=None, record_topk: bool = True,
+               record_routing: bool = False):
     self.engine, self.tok = engine, tokenizer
     self.tools = _InlineTools() if tools is None else tools
     self.pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="tools")
     self.max_new_tokens, self.temperature = max_new_tokens, temperature
-    self.on_turn, self.record_topk = on_turn, record_topk
+    self.on_turn, self.record_topk, self.record_routing = on_turn, record_topk, record_routing
     self.stop_ids = chat.stop_ids(tokenizer)
     self._ready: list = []              # episodes whose next turn is to be submitted
     self._by_rid: dict = {}             # engine request id -> episode
@@ -322,7 +328,8 @@ class Driver:
                         stop_token_ids=self.stop_ids, seed=self._seed[key])
     try:
       (rid,) = self.engine.submit(prompt, sp, session_id=self._session[key],
-                                  record_topk=self.record_topk, stream=stream)
+                                  record_topk=self.record_topk, stream=stream,
+                                  record_routing=self.record_routing)
     except ValueError as e:        # the engine refused the turn (the episode checks max_len)
       ep.abort(f"engine refused the turn: {e}")
       return False

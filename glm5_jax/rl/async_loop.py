@@ -42,7 +42,11 @@ Train/rollout consistency is measured per version: the trainer keeps the last
 `rl.gap_versions` published versions (default tau + 1, sharded like its params) and
 recomputes each token's log-prob (and the DSA top-k) under the version that sampled it:
 `logp_abs_diff_max` and `topk_mismatches` in every metrics row (tokens of versions no longer
-kept: `logp_unmeasured_tokens`).
+kept: `logp_unmeasured_tokens`), and each MoE layer's routing against the experts the engine
+recorded (`routing_mismatch_rate`). The workers serve in `rl.rollout_weight_dtype` /
+`rl.rollout_kv_dtype` (float32 by default: the trainer's forward bitwise; FP8 / INT4 a
+deliberate gap, measured by the same metrics); `rl.routing_replay` makes the trainer's MoE
+layers use the recorded experts (R3). Held-out evaluation runs at the trainer's precision.
 
 Checkpoints hold the TrainState and the control state (update and version counters, consumed
 groups, the prompt cursor, the prompts in flight, which a resumed run admits first, the
@@ -72,6 +76,7 @@ from glm5_jax import policy
 from glm5_jax import sharding as shd
 from glm5_jax import timing
 from glm5_jax.data import chat
+from glm5_jax.nn import layer_stack
 from glm5_jax.rl import agent as agent_lib
 from glm5_jax.rl import context as context_lib
 from glm5_jax.rl import grpo
@@ -161,32 +166,35 @@ def batch_of(groups, normalize_std: bool, rows_multiple: int = 1, context: int =
 
 def consistency(logprobs, snapshots: dict, batch, segs, dev=None) -> dict:
   """Train/rollout agreement, each token under the version that sampled it: log-prob |diff|
-  (max, mean) and top-k mismatches (positions whose engine top-k set differs in some layer).
-  dev: `batch` on the trainer's devices (default: placed here on the default device)."""
+  (max, mean), top-k mismatches (positions whose engine top-k set differs in some layer) and
+  MoE routing mismatches ((token, layer) pairs whose experts differ; 0 under routing replay,
+  whose experts `dev` carries). dev: `batch` on the trainer's devices (default: placed here
+  on the default device)."""
   if dev is None:
     dev = {k: jnp.asarray(getattr(batch, k)) for k in ("tokens", "positions", "segment_ids")}
   mask = batch.loss_mask > 0
-  diffs, bad, total, unmeasured = [], 0, 0, 0
+  diffs, counts, unmeasured = [], np.zeros(4, np.int64), 0
   for v in sorted(set(batch.versions[mask].tolist())):
     sel = mask & (batch.versions == v)
     if v not in snapshots:
       unmeasured += int(sel.sum())
       continue
-    logp, _, topk = logprobs(snapshots[v], dev)
+    logp, _, topk, experts = logprobs(snapshots[v], dev)
     diffs.append(np.abs(batch.rollout_logp[sel] - np.asarray(logp, np.float64)[sel]))
-    # The top-k at position p chose the keys for the token at p + 1: compare where that
-    # token was sampled by version v.
+    # The top-k and the experts at position p made the logits of the token at p + 1: compare
+    # where that token was sampled by version v.
     mine = []
-    for i, tr in enumerate(segs):
-      keep = {p: x for p, x in (tr.topk or {}).items()
-              if p + 1 < len(tr.versions) and tr.versions[p + 1] == v}
-      mine.append(dataclasses.replace(tr, topk=keep))
-    b, t = policy.topk_mismatches(mine, topk)
-    bad, total = bad + b, total + t
+    for tr in segs:
+      ok = lambda p, tr=tr: p + 1 < len(tr.versions) and tr.versions[p + 1] == v
+      mine.append(dataclasses.replace(
+          tr, topk={p: x for p, x in (tr.topk or {}).items() if ok(p)},
+          routing={p: x for p, x in (tr.routing or {}).items() if ok(p)}))
+    counts += (*policy.topk_mismatches(mine, topk), *policy.routing_mismatches(mine, experts))
   d = np.concatenate(diffs) if diffs else np.zeros(0)
   return {"logp_abs_diff_max": float(d.max(initial=0.0)),
           "logp_abs_diff_mean": float(d.mean()) if d.size else 0.0,
-          "topk_mismatches": float(bad), "topk_positions": float(total),
+          **grpo.mismatch_metrics(*(int(x) for x in counts)),
+          "routing_bytes_per_token": traj_lib.routing_bytes_per_token(segs),
           "logp_unmeasured_tokens": float(unmeasured)}
 
 
@@ -256,7 +264,9 @@ class AsyncTrainer:
   tokens_per_step = seq_len = None
   log_fields = (("v", "version", ".0f"), ("reward", "reward_mean", ".3f"),
                 ("success", "success_rate", ".3f"), ("|dlogp| max", "logp_abs_diff_max", ".2e"),
-                ("topk mism", "topk_mismatches", ".0f"), ("masked", "is_masked_frac", ".3f"),
+                ("topk mism", "topk_mismatches", ".0f"),
+                ("route mism", "routing_mismatch_rate", ".4f"),
+                ("masked", "is_masked_frac", ".3f"),
                 ("staleness", "staleness_mean", ".2f"),
                 ("idle trainer", "trainer_idle_ratio", ".2f"), ("wall s", "wall_s", ".1f"))
 
@@ -372,9 +382,12 @@ class AsyncTrainer:
     out = []
     for t in r.warmup_lengths:
       t = grpo.padded_length(t, self.context)
-      dummy = traj_lib.Trajectory([0] * t, [0.0] * t, [0.0] * t, [-1] * t)
+      replay = ({0: np.full((layer_stack.num_moe_layers(self.cfg),
+                             self.cfg.num_experts_per_tok), -1, np.int32)}
+                if r.routing_replay and grpo.has_moe(self.cfg) else None)
+      dummy = traj_lib.Trajectory([0] * t, [0.0] * t, [0.0] * t, [-1] * t, routing=replay)
       dev = grpo.device_batch(traj_lib.make_batch([dummy] * rows, np.zeros(rows), length=t),
-                              self.batch_sh)
+                              self.batch_sh, replay=r.routing_replay)
       jax.block_until_ready(self.forward(state.params, dev))
       out.append(dev)
     if r.faults.kill_worker_after_s > 0:
@@ -399,7 +412,7 @@ class AsyncTrainer:
     self.wait_s += time.perf_counter() - t0
     t1 = time.perf_counter()
     batch, segs = batch_of(taken, self.r.normalize_std, self.rows_multiple, self.context)
-    dev = grpo.device_batch(batch, self.batch_sh)
+    dev = grpo.device_batch(batch, self.batch_sh, replay=self.r.routing_replay)
     m = consistency(self.forward, self.snapshots, batch, segs, dev)
     self._taken, self._batch, self._segs = taken, batch, segs
     m.update(consistency_s=time.perf_counter() - t1,
@@ -479,7 +492,7 @@ class AsyncTrainer:
       axes = dict(self.mesh.shape) if self.sharded else {"data": 1}
       self._eval_engine = worker_lib.build_engine(self.cfg, state.params, r, self.ctl.version,
                                                   worker_lib.replica_mesh(devices, axes),
-                                                  rules=self.c.mesh_rules)
+                                                  rules=self.c.mesh_rules, rollout=False)
     else:
       self._eval_engine.update_params(state.params, self.ctl.version)
     driver = agent_lib.Driver(self._eval_engine, self.tok, threads=r["tool_threads"],
@@ -613,9 +626,10 @@ class AsyncTrainer:
     self.router.release(gid)
     rollouts = res["rollouts"]
     for rollout in rollouts:
-      for seg in rollout:
+      for seg in rollout:               # storage: its tokens and its routing records' bytes
         self.ledger.write(seg.id, "trajectory", "finished", status=seg.status, group=gid,
-                          reward=seg.reward)
+                          reward=seg.reward, tokens=seg.length,
+                          routing_bytes=traj_lib.routing_bytes(seg))
     self.ledger.write(gid, "group", "finished", prompt_index=index)
     statuses = collections.Counter(ro[0].status for ro in rollouts)
     for s, n in statuses.items():

@@ -7,10 +7,14 @@ paper §3; the loop of slime's `train.py`):
   1. prompts   `rl.prompts_per_step` training problems of `rl.task`, drawn with a seed
                derived from (seed, step): the prompt cursor is the step
   2. rollout   `rl.group_size` samples per prompt from the engine, which runs the weights
-               of version = step: raw log-probs and every layer's DSA top-k recorded
+               of version = step (in `rl.rollout_weight_dtype`: float32, or a deliberate
+               low-precision gap, inference/precision.py): raw log-probs, every layer's DSA
+               top-k and every MoE layer's routed experts recorded
   3. rewards   the task's reward function (`rewards.get`); A = r - mean of its group
   4. recompute log pi_train(theta_old) of every token with the trainer's forward; the
-               train/rollout log-prob |diff| and top-k mismatches are measured here
+               train/rollout log-prob |diff|, DSA top-k and MoE routing mismatches are
+               measured here. With `rl.routing_replay` (R3) the trainer's MoE layers use
+               the engine's recorded experts, here and in the update
   5. update    the batch in `rl.minibatches` (>= 2) shuffled minibatches, one Muon Split step
                each on `icepop_grpo_loss` (the runner's `train_step`, stage row "rl"; after
                the first, pi_theta != pi_old and the clip acts); the indexer is frozen, the
@@ -31,7 +35,8 @@ an environment failure, not a wrong answer: it gets no loss and does not count i
 group's mean. Sampling is at temperature 1: the losses' ratios compare raw-policy log-probs,
 which are the sampling distribution's only then.
 
-Held-out accuracy (greedy) at the start and every `eval_every` steps. Checkpoints (orbax)
+Held-out accuracy (greedy) at the start and every `eval_every` steps, of the policy at the
+trainer's precision (a second engine when the rollouts run in another one). Checkpoints (orbax)
 hold the TrainState; everything random derives from (seed, step), so a killed and restarted
 run reproduces the uninterrupted run's metrics exactly on CPU (rows a killed run wrote after
 its last checkpoint are replaced). SIGTERM checkpoints and stops (train/preemption.py:
@@ -56,6 +61,7 @@ from glm5_jax import sharding as shd
 from glm5_jax.data import chat
 from glm5_jax.inference import Engine
 from glm5_jax.inference import SamplingParams
+from glm5_jax.inference import precision
 from glm5_jax.rl import rewards as rewards_lib
 from glm5_jax.rl import rollout as rollout_lib
 from glm5_jax.rl import tasks as tasks_lib
@@ -79,28 +85,45 @@ def task_and_reward(r):
   return task, reward_fn
 
 
-def consistency_metrics(batch, old_logp_bt, topk, trajs) -> dict:
+def mismatch_metrics(bad_topk, topk_positions, bad_routing, routing_pairs) -> dict:
+  """DSA top-k and MoE routing mismatch counts and rates (0 when nothing was compared)."""
+  return {"topk_mismatches": float(bad_topk), "topk_positions": float(topk_positions),
+          "topk_mismatch_rate": bad_topk / topk_positions if topk_positions else 0.0,
+          "routing_mismatches": float(bad_routing), "routing_pairs": float(routing_pairs),
+          "routing_mismatch_rate": bad_routing / routing_pairs if routing_pairs else 0.0}
+
+
+def consistency_metrics(batch, old_logp_bt, topk, trajs, routing=None) -> dict:
   """Train/rollout agreement on the response tokens of `batch`: log-prob |diff| (max, mean),
-  the k3 mismatch KL (rollout || train) and the positions where some layer's top-k differs.
-  old_logp_bt: the trainer's log-probs [b, t]; topk: its per-layer top-k [L] of [b, t, K]."""
+  the k3 mismatch KL (rollout || train), the positions where some layer's top-k differs and
+  the MoE (token, layer) pairs whose experts differ (`policy.routing_mismatches`).
+  old_logp_bt: the trainer's log-probs [b, t]; topk: its per-layer top-k [L] of [b, t, K];
+  routing: the experts its forward used [b, t, L_moe, K] (replayed ones under R3)."""
   mask = batch.loss_mask > 0
   x = (batch.rollout_logp - shd.to_host(old_logp_bt).astype(np.float64))[mask]
   bad, total = policy.topk_mismatches(trajs, topk) if topk is not None else (0, 0)
   return {"logp_abs_diff_max": float(np.abs(x).max(initial=0.0)),
           "logp_abs_diff_mean": float(np.abs(x).mean()) if x.size else 0.0,
           "mismatch_kl_k3": float(np.mean(np.exp(-x) - 1 + x)) if x.size else 0.0,
-          "topk_mismatches": float(bad), "topk_positions": float(total)}
+          **mismatch_metrics(bad, total, *policy.routing_mismatches(trajs, routing)),
+          "routing_bytes_per_token": traj_lib.routing_bytes_per_token(trajs)}
 
 
 FIELDS = ("tokens", "positions", "segment_ids", "loss_mask", "rollout_logp", "advantages")
 
 
-def device_batch(b: traj_lib.TrajectoryBatch, sharding=None) -> dict:
+def device_batch(b: traj_lib.TrajectoryBatch, sharding=None, replay: bool = False) -> dict:
   """The fields of `b` a trainer step reads, as device arrays (global arrays in `sharding`,
-  every process holding the whole batch; None: the default device)."""
+  every process holding the whole batch; None: the default device). `replay`: also the
+  engine's routing records (`routing`, rollout routing replay)."""
+  fields = FIELDS + (("routing",) if replay and b.routing is not None else ())
   if sharding is None:
-    return {k: jnp.asarray(getattr(b, k)) for k in FIELDS}
-  return {k: shd.from_host(getattr(b, k), sharding) for k in FIELDS}
+    return {k: jnp.asarray(getattr(b, k)) for k in fields}
+  return {k: shd.from_host(getattr(b, k), sharding) for k in fields}
+
+
+def has_moe(cfg) -> bool:
+  return any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
 
 
 @functools.partial(jax.jit, static_argnums=2)
@@ -139,7 +162,9 @@ class GRPO:
   items: dict = {}
   tokens_per_step = seq_len = None
   log_fields = (("reward", "reward_mean", ".3f"), ("|dlogp| max", "logp_abs_diff_max", ".2e"),
-                ("topk mism", "topk_mismatches", ".0f"), ("masked", "icepop_masked_frac", ".4f"),
+                ("topk mism", "topk_mismatches", ".0f"),
+                ("route mism", "routing_mismatch_rate", ".4f"),
+                ("masked", "icepop_masked_frac", ".4f"),
                 ("clip", "clip_frac", ".3f"), ("len", "response_len_mean", ".1f"),
                 ("rollout s", "rollout_s", ".1f"), ("update s", "update_s", ".1f"))
 
@@ -148,7 +173,7 @@ class GRPO:
     self.checkpoint_every, self.eval_every = r.checkpoint_every, r.eval_every
     self.task, self.reward_fn = task_and_reward(r)
     self.tok = chat.get_chat_tokenizer(c.data.tokenizer)
-    self.engine = self.teacher = None
+    self.engine = self.teacher = self.eval_engine = None
 
   def model_config(self):
     cfg = ckpt_lib.model_config_of(self.c.init_from, "config.init_from")
@@ -194,14 +219,19 @@ class GRPO:
     max_batch slots), serving the state's params on the trainer's mesh."""
     del resumed
     r = self.c.rl
+    make = lambda **kw: Engine(
+        self.cfg, state.params, max_batch=r.group_size * r.prompts_per_step,
+        max_len=r.max_len, prefill_chunk=r.prefill_chunk, steps_per_sync=r.steps_per_sync,
+        version=int(state.step), mesh=self.mesh if self.sharded else None,
+        rules=self.c.mesh_rules, **kw)
     try:
-      self.engine = Engine(self.cfg, state.params, max_batch=r.group_size * r.prompts_per_step,
-                           max_len=r.max_len, prefill_chunk=r.prefill_chunk,
-                           steps_per_sync=r.steps_per_sync, version=int(state.step),
-                           mesh=self.mesh if self.sharded else None,
-                           rules=self.c.mesh_rules)
+      self.engine = make(record_routing=has_moe(self.cfg), **precision.engine_kwargs(r))
+      # Held-out accuracy at the trainer's precision: the same arrays, served as they are.
+      self.eval_engine = (self.engine if r.rollout_weight_dtype == "float32"
+                          and r.rollout_kv_dtype == "float32" else make())
     except ValueError as e:
-      raise ValueError(f"config.rl (max_len / prefill_chunk / steps_per_sync / mesh): {e}"
+      raise ValueError(f"config.rl (max_len / prefill_chunk / steps_per_sync / mesh / "
+                       f"rollout_weight_dtype, rollout_kv_dtype, rollout_quant_*): {e}"
                        ) from None
 
   def prepare(self, state) -> list:
@@ -216,7 +246,8 @@ class GRPO:
                         stop_token_ids=chat.stop_ids(self.tok), seed=seed_of(c.seed, step, 2))
     trajs, stats = rollout_lib.rollout(self.engine, self.task, self.reward_fn, problems,
                                        self.tok, group_size=r.group_size, sampling=sp,
-                                       version=step, enable_thinking=r.enable_thinking)
+                                       version=step, enable_thinking=r.enable_thinking,
+                                       record_routing=self.engine.record_routing)
     rewards = np.asarray([tr.reward for tr in trajs], np.float32)
     valid = np.asarray([tr.error is None for tr in trajs])
     if jax.process_count() > 1:    # process 0's rewards for all: a sandbox's time limit may
@@ -230,12 +261,13 @@ class GRPO:
     batch = traj_lib.make_batch(trajs, adv if use_task else np.zeros_like(adv), length=length)
     batch.loss_mask[~valid] = 0.0                  # environment failures carry no loss
     t0 = time.perf_counter()
-    dev = device_batch(batch, self.batch_sh)
-    old_logp, ent, topk = self.forward(state.params, dev)
-    m = consistency_metrics(batch, old_logp, topk, trajs)
+    dev = device_batch(batch, self.batch_sh, replay=r.routing_replay)
+    old_logp, ent, topk, routing = self.forward(state.params, dev)
+    m = consistency_metrics(batch, old_logp, topk, trajs, routing)
     advantages = dev["advantages"]
     if self.teacher is not None:                   # on-policy distillation, per token
-      opd = rl_losses.opd_advantages(self.forward(self.teacher, dev)[0], old_logp)
+      own = {k: v for k, v in dev.items() if k != "routing"}    # the teacher routes itself
+      opd = rl_losses.opd_advantages(self.forward(self.teacher, own)[0], old_logp)
       advantages = advantages[:, None] + c.distill.coef * opd
       m["opd_advantage_mean"] = float(rl_losses.token_mean(opd, dev["loss_mask"]))
     dev = {**dev, "old_logp": old_logp, "advantages": advantages}
@@ -253,13 +285,15 @@ class GRPO:
     """6. publish: the engine serves the new params (the trainer's arrays themselves)."""
     del reset_optimizer
     self.engine.update_params(state.params, version=step)
+    if self.eval_engine is not self.engine:
+      self.eval_engine.update_params(state.params, version=step)
     return state, {}
 
   def evaluate(self, state, step: int) -> dict:
     del state
     r = self.c.rl
     t0 = time.perf_counter()
-    ev = rollout_lib.heldout_accuracy(self.engine, self.task, self.reward_fn, self.heldout,
+    ev = rollout_lib.heldout_accuracy(self.eval_engine, self.task, self.reward_fn, self.heldout,
                                       self.tok, max_new_tokens=r.max_new_tokens,
                                       enable_thinking=r.enable_thinking)
     ev["eval_s"] = time.perf_counter() - t0
@@ -268,7 +302,7 @@ class GRPO:
     return ev
 
   def close(self) -> None:
-    self.engine = None
+    self.engine = self.eval_engine = None
 
 
 def load_teacher(path: str, cfg, param_sh, mesh, rules):

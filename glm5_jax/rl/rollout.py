@@ -50,7 +50,7 @@ def score(reward_fn, problem, response_ids, tokenizer, finish_reason: str):
 
 def rollout(engine, task, reward_fn, problems, tokenizer, *, group_size: int,
             sampling: SamplingParams, version: int, enable_thinking: bool = False,
-            record_topk: bool = True):
+            record_topk: bool = True, record_routing: bool = False):
   """Samples `group_size` responses per problem and scores them.
 
   Returns:
@@ -64,7 +64,7 @@ def rollout(engine, task, reward_fn, problems, tokenizer, *, group_size: int,
   # blocks (prefilled once); copy j of group g samples stream g * group_size + j.
   ids = [rid for g, p in enumerate(prompts)
          for rid in engine.submit(p, sampling, n=group_size, stream=g * group_size,
-                                  record_topk=record_topk)]
+                                  record_topk=record_topk, record_routing=record_routing)]
   outs = engine.wait(ids)
   t1 = time.perf_counter()
   trajs, n_trunc = [], 0
@@ -77,7 +77,8 @@ def rollout(engine, task, reward_fn, problems, tokenizer, *, group_size: int,
         requests[i], list(out.token_ids), list(out.logprobs), version,
         rollout_id=f"g{g:06d}/{i % group_size}", group_id=g,
         status="ok" if err is None else "env_error", reward=reward,
-        finish_reason=out.finish_reason, topk=out.topk_indices, error=err))
+        finish_reason=out.finish_reason, topk=out.topk_indices, routing=out.routing,
+        error=err))
   t2 = time.perf_counter()
   full = sum(tr.finish_reason == "cache_full" for tr in trajs)
   if full:

@@ -37,6 +37,7 @@ from glm5_jax import memory
 from glm5_jax import sharding as shd
 from glm5_jax.data import chat
 from glm5_jax.inference import Engine
+from glm5_jax.inference import precision
 from glm5_jax.inference.engine import serving_template
 from glm5_jax.rl import agent as agent_lib
 from glm5_jax.rl import context as context_lib
@@ -118,12 +119,19 @@ def replica_mesh(devices=None, mesh_axes=None):
   return None if devices is None else shd.make_mesh(dict(mesh_axes or {"data": -1}), devices)
 
 
-def build_engine(cfg, params, r: dict, version: int, mesh=None, rules=None) -> Engine:
-  """A worker's engine on `mesh` (`replica_mesh`) in the model's serving shardings."""
+def build_engine(cfg, params, r: dict, version: int, mesh=None, rules=None, *,
+                 rollout: bool = True) -> Engine:
+  """A worker's engine on `mesh` (`replica_mesh`) in the model's serving shardings; a rollout
+  engine (`rollout`) serves in the config's rollout precision (inference/precision.py) and
+  records each token's routed experts, an evaluation engine serves the weights as they are."""
+  kw = {}
+  if rollout:
+    kw = dict(precision.engine_kwargs(r),
+              record_routing=any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)))
   return Engine(cfg, params, max_batch=r["engine_batch"], max_len=r["max_len"],
                 prefill_chunk=r["prefill_chunk"], steps_per_sync=r["steps_per_sync"],
                 version=version, mesh=mesh, rules=rules,
-                shape_buckets=r["engine_shape_buckets"])
+                shape_buckets=r["engine_shape_buckets"], **kw)
 
 
 def make_episode(task, problem, tok, r: dict, *, rollout_id: str, group_id: str,
@@ -191,7 +199,8 @@ class RolloutWorker:
     crash_rng = np.random.default_rng(seed_of(spec["seed"], self.worker_id, self.epoch, 1))
     task = crashing_task(task, crash_rate, crash_rng)
     driver = agent_lib.Driver(engine, tok, tools=runner, threads=r["tool_threads"],
-                              max_new_tokens=r["max_new_tokens"], temperature=r["temperature"])
+                              max_new_tokens=r["max_new_tokens"], temperature=r["temperature"],
+                              record_routing=engine.record_routing)
     pull = dict(getattr(weights, "last_pull", {}))   # what the latest pull read
     self.info = {"version": engine.version, **driver.stats, **pull}
     groups: dict = {}                            # group_id -> (request, ended episodes)

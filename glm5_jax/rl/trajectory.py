@@ -23,6 +23,8 @@ per-token array aligned with `tokens` (entry `[i, t]` is about token `t` of row 
   loss_mask     float32  1 on tokens the policy sampled in this segment, else 0
   rollout_logp  float32  the engine's log pi(token_t | tokens_<t) on loss tokens, else 0
   versions      int32    weight version that sampled each loss token, -1 elsewhere
+  routing       int32    [b, t, L_moe, K] the experts the engine routed each token to (its
+                         records; -1 where none), or None when no trajectory has records
 and per row: group_ids (int group ids as they are; string ids numbered 0, 1, ... in order of
 first appearance), rewards, advantages.
 
@@ -54,6 +56,7 @@ class Trajectory:
   copy_of: str | None = None           # refill copies: the rollout id copied
   finish_reason: str = ""              # engine's: "stop" | "length" | "cache_full"
   topk: dict | None = None             # engine's DSA top-k {position: int32 [L, K]}
+  routing: dict | None = None          # engine's MoE experts {position: int32 [L_moe, K]}
   error: str | None = None             # what failed (reward function, environment)
   prompt_index: int = -1               # the prompt cursor position it was drawn at
 
@@ -142,10 +145,36 @@ class TrajectoryBatch(NamedTuple):
   group_ids: np.ndarray
   rewards: np.ndarray
   advantages: np.ndarray
+  routing: np.ndarray | None = None
 
   def rows(self, idx) -> "TrajectoryBatch":
     """The rows `idx` of every field (a minibatch)."""
-    return TrajectoryBatch(*(f[idx] for f in self))
+    return TrajectoryBatch(*(None if f is None else f[idx] for f in self))
+
+
+def routing_bytes(tr: Trajectory) -> int:
+  """Bytes of a trajectory's routing records (int32 [L_moe, K] per recorded position)."""
+  return int(sum(np.asarray(x).nbytes for x in (tr.routing or {}).values()))
+
+
+def routing_bytes_per_token(trajs: Sequence[Trajectory]) -> float:
+  """Bytes the engine's routing records take per recorded token."""
+  n = sum(len(tr.routing or {}) for tr in trajs)
+  return sum(routing_bytes(tr) for tr in trajs) / n if n else 0.0
+
+
+def routing_array(trajs: Sequence[Trajectory], t: int) -> np.ndarray | None:
+  """int32 [b, t, L_moe, K]: each row's recorded experts, -1 where a position has none (it
+  routes as usual under replay); None when no trajectory has records."""
+  first = next((x for tr in trajs for x in (tr.routing or {}).values()), None)
+  if first is None:
+    return None
+  out = np.full((len(trajs), t) + np.shape(first), -1, np.int32)
+  for i, tr in enumerate(trajs):
+    for pos, x in (tr.routing or {}).items():
+      if pos < t:
+        out[i, pos] = x
+  return out
 
 
 def bucket_length(n: int, minimum: int = 16) -> int:
@@ -197,4 +226,5 @@ def make_batch(trajs: Sequence[Trajectory], advantages, *, length: int | None = 
   return TrajectoryBatch(
       tokens=tokens, positions=positions, segment_ids=seg, loss_mask=mask, rollout_logp=logp,
       versions=versions, group_ids=group_indices(trajs),
-      rewards=np.asarray([tr.reward for tr in trajs], np.float32), advantages=advantages)
+      rewards=np.asarray([tr.reward for tr in trajs], np.float32), advantages=advantages,
+      routing=routing_array(trajs, t))

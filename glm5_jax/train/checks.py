@@ -70,6 +70,8 @@ COMMON = [
 ]
 
 _QAT_TARGETS = ("experts", "attention", "all_linear")   # optim/param_groups.QUANT_TARGETS
+_WEIGHT_DTYPES = ("float32", "bfloat16", "float8_e4m3fn", "int4")   # inference/precision.py
+_KV_DTYPES = ("float32", "bfloat16", "float8_e4m3fn")
 
 LM = COMMON + [
     ("qat.bits", lambda v, c: v in (0, 4), "0 (no QAT) or 4 (INT4 quantization-aware)"),
@@ -102,11 +104,23 @@ RL = COMMON + [
      "sequence)")),
     ("rl.max_new_tokens", between(1, lambda c: c.rl.max_len - 1),
      "an integer in [1, config.rl.max_len - 1] (a prompt takes at least one row)"),
+    # The rollout engine's precision (glm5_jax/inference/precision.py).
+    ("rl.rollout_weight_dtype", lambda v, c: v in _WEIGHT_DTYPES, f"one of {_WEIGHT_DTYPES}"),
+    ("rl.rollout_kv_dtype", lambda v, c: v in _KV_DTYPES, f"one of {_KV_DTYPES}"),
+    ("rl.rollout_quant_targets", lambda v, c: v in ("",) + _QAT_TARGETS,
+     f"'' (the format's default) or one of {_QAT_TARGETS}"),
+    ("rl.rollout_quant_block", lambda v, c: _int(v) and 0 <= v <= 4096,
+     "an integer in [0, 4096] (0 = the format's default: FP8 128, INT4 32)"),
+    ("rl.rollout_indexer_dtype", lambda v, c: v in ("same", "float32"),
+     "'same' (as the other weights) or 'float32' (the trainer's precision)"),
+    ("rl.routing_replay", lambda v, c: isinstance(v, bool), "True or False"),
 ] + [(f"rl.{f}", positive, _COUNT) for f in (
     "prefill_chunk", "steps_per_sync", "logprob_chunk", "eval_every", "checkpoint_every")]
 
 GRPO = RL + [
     ("rl.icepop_beta", lambda v, c: v >= 1.0, ">= 1 (the IcePop band is [1/beta, beta])"),
+    ("rl.icepop", lambda v, c: isinstance(v, bool), "True (GRPO + IcePop) or False (plain "
+     "GRPO-clip, no train/rollout mismatch correction)"),
     ("rl.minibatches", _divides_rollouts, ">= 2 (so the clip acts) and a divisor of the "
      "rollouts per step (group_size * prompts_per_step)"),
     ("rl.prompts_per_step", between(1, _MAX_PROMPTS), _in_range(1, _MAX_PROMPTS)),

@@ -253,10 +253,13 @@ def expert_imbalance(load):
 # The RL rows' objectives (GLM-5 §3; glm5_jax/policy_losses.py) on a batch with the policy's
 # log-probs `logp` [b, t], and the whole batch's denominator when the batch is one part.
 def _icepop(logp, batch, hp, whole):
-  return policy_losses.icepop_grpo_loss(
-      logp, batch["old_logp"], batch["rollout_logp"], batch["advantages"], batch["loss_mask"],
-      beta=hp["icepop_beta"], eps_low=hp["eps_low"], eps_high=hp["eps_high"],
-      num_seqs=None if whole is None else whole["seqs"])
+  args = (logp, batch["old_logp"], batch["rollout_logp"], batch["advantages"],
+          batch["loss_mask"])
+  kw = dict(eps_low=hp["eps_low"], eps_high=hp["eps_high"],
+            num_seqs=None if whole is None else whole["seqs"])
+  if hp["icepop_beta"] is None:                  # config.rl.icepop=False: the ablation
+    return policy_losses.grpo_clip_loss(*args, **kw)
+  return policy_losses.icepop_grpo_loss(*args, beta=hp["icepop_beta"], **kw)
 
 
 def _double_sided_is(logp, batch, hp, whole):
@@ -283,9 +286,10 @@ def policy_loss_fn(params, batch, *, cfg, stage: str, hp: dict, norm=None):
     metric is combinable (`_EXTREMES`, `_COUNTS`, token shares) into the whole batch's.
   Returns (loss, (metrics, None)): metrics of the objective plus `loss` and `entropy`.
   """
-  logp, ent, _ = policy.policy_forward(params, batch["tokens"], batch["positions"],
-                                       batch["segment_ids"], cfg=stage_model_config(cfg, stage),
-                                       chunk_size=hp["logprob_chunk"])
+  logp, ent, _, _ = policy.policy_forward(
+      params, batch["tokens"], batch["positions"], batch["segment_ids"],
+      cfg=stage_model_config(cfg, stage), chunk_size=hp["logprob_chunk"],
+      routing_replay=batch.get("routing"))
   loss, m = _POLICY_OBJECTIVES[get_stage(stage).loss](logp, batch, hp, norm)
   mask = batch["loss_mask"]
   m = {**m, "entropy": policy_losses.token_mean(ent, mask), "loss": loss}
@@ -322,7 +326,7 @@ def loss_hparams(c) -> dict:
   r = c.rl
   hp = {"logprob_chunk": r.logprob_chunk, "eps_low": r.eps_low, "eps_high": r.eps_high}
   if get_stage(c.stage).loss == "icepop_grpo":
-    hp["icepop_beta"] = r.icepop_beta
+    hp["icepop_beta"] = r.icepop_beta if r.get("icepop", True) else None
   return hp
 
 

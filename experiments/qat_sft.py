@@ -1,0 +1,147 @@
+r"""INT4 quantization-aware SFT against quantizing after the fact, on the main job's SFT task.
+
+  python -m experiments.qat_sft --base=workdir/main --workdir=/tmp/qat --seeds=0,1,2
+
+For each seed, the main job's SFT stage (`configs/main_job.py`: 600 steps of the arith
+conversations from `BASE/dsa_sparse`, data in `BASE/sft_data`) runs twice: in float32, and
+with INT4 QAT (`config.qat`: the routed experts, groups of 32, straight-through gradients).
+Each model is then served by the inference engine and scored on the same 500 held-out
+problems (greedy, thinking on, as the GRPO stage's evaluation):
+
+  float          the float model, float32 weights
+  float -> int4  the same model quantized to INT4 after training (post-training quantization)
+  qat -> int4    the QAT model in INT4, the weights its training forward used (bitwise)
+
+and the engine's weight memory and decode throughput, INT4 against float32, are measured on
+the tiny model (greedy, batch 1 and 16). Writes WORKDIR/qat_sft.md and .json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from absl import app
+from absl import flags
+from absl import logging
+import numpy as np
+
+from configs import main_job as main_job_config
+from experiments import main_job_stages
+from glm5_jax import quant
+from glm5_jax.data import chat
+from glm5_jax.inference import Engine
+from glm5_jax.inference import SamplingParams
+from glm5_jax.rl import grpo
+from glm5_jax.rl import rollout as rollout_lib
+from glm5_jax.rl import tasks as tasks_lib
+from glm5_jax.train import checkpoint as ckpt_lib
+from glm5_jax.train import loop
+from glm5_jax.train import metrics as metrics_lib
+
+_BASE = flags.DEFINE_string("base", None, "a main job workdir (dsa_sparse, sft_data)",
+                            required=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "output directory", required=True)
+_SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "SFT seeds (data order, initialisation "
+                           "of nothing else: every run starts from BASE/dsa_sparse)")
+_GROUP = flags.DEFINE_integer("group_size", 32, "INT4 group size")
+_TARGETS = flags.DEFINE_string("targets", "experts", "quantized weights: experts | attention | "
+                               "all_linear")
+
+VARIANTS = ("float", "float -> int4", "qat -> int4")
+
+
+def sft(seed: int, qat: bool, workdir: str):
+  c = main_job_config.get_config()
+  with c.unlocked():
+    c.seed = seed
+  sc = main_job_stages.sft_config(c, _BASE.value)
+  with sc.unlocked():
+    if qat:
+      sc.qat.update(bits=4, group_size=_GROUP.value, targets=_TARGETS.value)
+  loop.run(sc, workdir)
+  return c
+
+
+def heldout(engine, c) -> dict:
+  r = main_job_stages.rl_config(c, c.post.rl, "").rl          # the GRPO stage's task
+  task, reward_fn = grpo.task_and_reward(r)
+  tok = chat.get_chat_tokenizer(c.data.tokenizer)
+  problems = tasks_lib.heldout_problems(task, r, 0)          # one held-out set for every run
+  return rollout_lib.heldout_accuracy(engine, task, reward_fn, problems, tok,
+                                      max_new_tokens=r.max_new_tokens,
+                                      enable_thinking=r.enable_thinking)
+
+
+def engine_for(cfg, params, c, weight_dtype: str) -> Engine:
+  r = c.post.rl.rl
+  kw = ({} if weight_dtype == "float32" else
+        dict(quant_block=_GROUP.value, quant_targets=_TARGETS.value))
+  return Engine(cfg, params, max_batch=64, max_len=r.max_len, prefill_chunk=r.prefill_chunk,
+                weight_dtype=weight_dtype, **kw)
+
+
+def decode_speed(engine: Engine, batch: int, new_tokens: int = 64) -> float:
+  """Generated tokens per second of greedy decoding (one warm-up call first)."""
+  prompts = [[1 + (i % 50), 2, 3] for i in range(batch)]
+  sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
+  engine.generate(prompts, sp)
+  t0 = time.perf_counter()
+  outs = engine.generate(prompts, sp)
+  return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
+
+
+def _mean_std(xs):
+  return f"{100 * np.mean(xs):.1f}% +- {100 * np.std(xs):.1f}"
+
+
+def main(argv):
+  del argv
+  seeds = [int(s) for s in _SEEDS.value]
+  runs = {}
+  for seed in seeds:
+    row = {}
+    for qat in (False, True):
+      wd = os.path.join(_WORKDIR.value, "qat" if qat else "float", f"seed{seed}")
+      logging.info("=== SFT seed %d, %s -> %s", seed, "INT4 QAT" if qat else "float", wd)
+      c = sft(seed, qat, wd)
+      row["qat_eval_loss" if qat else "float_eval_loss"] = (
+          metrics_lib.final_metrics(wd).get("eval_loss"))
+      cfg, params = ckpt_lib.load_model(wd)
+      cfg = cfg.replace(attention_type="sparse")
+      for dtype in (("int4",) if qat else ("float32", "int4")):
+        name = "qat -> int4" if qat else ("float" if dtype == "float32" else "float -> int4")
+        row[name] = heldout(engine_for(cfg, params, c, dtype), c)["accuracy"]
+        logging.info("seed %d %s: held-out accuracy %.3f", seed, name, row[name])
+    runs[seed] = row
+  lines = ["| seed | " + " | ".join(VARIANTS) + " | SFT held-out loss float / QAT |",
+           "|---" * (len(VARIANTS) + 2) + "|"]
+  for seed, row in runs.items():
+    lines.append(f"| {seed} | " + " | ".join(f"{100 * row[v]:.1f}%" for v in VARIANTS)
+                 + f" | {row['float_eval_loss']:.4f} / {row['qat_eval_loss']:.4f} |")
+  lines.append("| mean +- std | " + " | ".join(_mean_std([r[v] for r in runs.values()])
+                                               for v in VARIANTS) + " | |")
+  # Memory and decode speed of the last seed's QAT model, INT4 against float32.
+  speed = {}
+  for dtype in ("float32", "int4"):
+    e = engine_for(cfg, params, c, dtype)
+    speed[dtype] = {"weight_bytes": quant.tree_nbytes(e.params),
+                    **{f"decode_tok_s_batch{b}": decode_speed(e, b) for b in (1, 16)}}
+  lines += ["", "| engine weights | bytes | decode tok/s, batch 1 | batch 16 |",
+            "|---|---|---|---|"]
+  for dtype, s in speed.items():
+    lines.append(f"| {dtype} | {s['weight_bytes']:,} | {s['decode_tok_s_batch1']:.0f} | "
+                 f"{s['decode_tok_s_batch16']:.0f} |")
+  text = "\n".join(lines)
+  print(text)
+  out = os.path.join(_WORKDIR.value, "qat_sft")
+  with open(out + ".md", "w") as f:
+    f.write(text + "\n")
+  with open(out + ".json", "w") as f:
+    json.dump({"seeds": seeds, "group_size": _GROUP.value, "targets": _TARGETS.value,
+               "runs": runs, "engine": speed}, f, indent=1)
+
+
+if __name__ == "__main__":
+  app.run(main)
