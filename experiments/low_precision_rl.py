@@ -15,6 +15,12 @@ differ only in what their rollouts fed the updates.
 
 from __future__ import annotations
 
+from glm5_jax import numerics
+
+numerics.batch_invariant_cpu()   # before JAX starts: engine and trainer agree bitwise on CPU
+numerics.cpu_devices(2)          # as the main job, whose stages these runs repeat
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 import json
 import os
 

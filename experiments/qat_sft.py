@@ -18,6 +18,12 @@ the tiny model (greedy, batch 1 and 16). Writes WORKDIR/qat_sft.md and .json.
 
 from __future__ import annotations
 
+from glm5_jax import numerics
+
+numerics.batch_invariant_cpu()   # before JAX starts: engine and trainer agree bitwise on CPU
+numerics.cpu_devices(2)          # as the main job, whose stages these runs repeat
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 import json
 import os
 import time
