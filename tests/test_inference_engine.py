@@ -447,6 +447,16 @@ try:
   raise AssertionError("NaN weights were served")
 except ValueError as e:
   assert "['lm_head']['kernel'] holds 1 non-finite values" in str(e), e
+for wd in ("int4", "float8_e4m3fn"):        # quantized weights: experts stay on their shards
+  qkw = dict(kw, weight_dtype=wd, quant_block=32, record_routing=True)
+  one = Engine(cfg, params, **qkw).generate(prompts, sp, record_routing=True)
+  many = Engine(cfg, params, mesh=mesh, **qkw)
+  w_up = many.params["moe_layers"]["layer_0"]["moe"]["experts"]["w_up"]
+  assert w_up.values.sharding.spec[1] == "expert", w_up.values.sharding
+  for a, b in zip(one, many.generate(prompts, sp, record_routing=True)):
+    assert a.token_ids == b.token_ids, (wd, a.token_ids, b.token_ids)
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6, rtol=0)
+    assert all((np.sort(a.routing[q], -1) == np.sort(b.routing[q], -1)).all() for q in a.routing)
 print("OK")
 """
 
