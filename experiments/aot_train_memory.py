@@ -12,7 +12,7 @@ frozen and holds no state), the routing-bias update; in/out shardings of the tra
 from `sharding.param_shardings` (rules of `--rules`) and `optim.state_shardings`, the state
 donated. `--part=grad` / `--part=update` compile only the loss gradient / only the optimizer
 update, to split the step's memory. The model is the `glm5` preset (78 layers, scanned),
-bfloat16 activations, `remat="full"`, `attention_impl="xla"` (context parallelism needs it),
+bfloat16 activations, `--remat` (default "full"), `attention_impl="xla"` (context parallelism needs it),
 parameters in `--param_dtype` (float32 master weights by default; Muon momentum and Adam
 moments follow the parameters' dtype). The batch is one sequence per batch group:
 `data * fsdp * expert` sequences of `seq_len` tokens, each split over `context`.
@@ -45,6 +45,7 @@ import numpy as np
 import optax
 
 from configs import pretrain as pretrain_config
+from glm5_jax import collectives
 from glm5_jax import config as config_lib
 from glm5_jax import nn as gnn
 from glm5_jax import optim
@@ -79,6 +80,12 @@ _CAPACITY = flags.DEFINE_float(
     "moe_capacity_factor", 0.0, "ModelConfig.moe_capacity_factor: 0 = dropless all-to-all "
     "buffers sized for the worst case; c > 0 bounds them to ceil(c n K / ep) rows per shard pair")
 PARTS = ("step", "grad", "update")
+_REMAT = flags.DEFINE_enum("remat", "full", list(config_lib._REMAT),
+                           "ModelConfig.remat: the decoder layer's remat policy; offload_* move "
+                           "the marked activations to host memory (nn/decoder.py)")
+_MUON = flags.DEFINE_enum("muon_distribution", "replicated", list(optim.DISTRIBUTIONS),
+                          "config.muon_distribution: Newton–Schulz on the sharded matrices "
+                          "(replicated) or on owner devices (owner, optim/muon_owner.py)")
 _PART = flags.DEFINE_enum("part", "step", list(PARTS),
                           "what to compile: the train step, or (to split its memory) only the "
                           "loss gradient, or only the optimizer update")
@@ -121,18 +128,25 @@ def train_config(stage: str, seq_len: int, batch: int, mesh_sizes: dict[str, int
 
 
 def model_config(stage: str, num_layers: int, param_dtype: str, dispatch: str,
-                 capacity_factor: float = 0.0, dense_form: str = "expanded"):
-  over = dict(dtype="bfloat16", param_dtype=param_dtype, remat="full", attention_impl="xla",
+                 capacity_factor: float = 0.0, dense_form: str = "expanded",
+                 remat: str = "full"):
+  over = dict(dtype="bfloat16", param_dtype=param_dtype, remat=remat, attention_impl="xla",
               num_hidden_layers=num_layers, expert_dispatch=dispatch,
               moe_capacity_factor=capacity_factor, dense_attention_form=dense_form)
   return step_lib.stage_model_config(config_lib.get_preset("glm5", **over), stage)
 
 
-def abstract_state(cfg, tx, mesh, rule_set):
-  """TrainState of ShapeDtypeStructs in the loop's shardings (nothing is allocated)."""
+def param_shardings(cfg, mesh, rule_set):
+  """(parameter ShapeDtypeStructs, their shardings), checked against the mesh."""
   shapes, specs = gnn.abstract_params(cfg)
   p_sh = shd.param_shardings(specs, mesh, rule_set)
   shd.check_divisible(shapes, p_sh, mesh)
+  return shapes, p_sh
+
+
+def abstract_state(cfg, tx, mesh, rule_set):
+  """TrainState of ShapeDtypeStructs in the loop's shardings (nothing is allocated)."""
+  shapes, p_sh = param_shardings(cfg, mesh, rule_set)
   with_sh = lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh)
   params = jax.tree.map(with_sh, shapes, p_sh)
   rep = shd.replicated(mesh)
@@ -160,7 +174,8 @@ def _oom(msg: str) -> dict:
 
 def compile_one(topology, devices, mesh_sizes, stage, seq_len, num_layers, param_dtype,
                 rule_name, dispatch, hbm, *, part="step", do_compile=True,
-                capacity_factor: float = 0.0, dense_form: str = "expanded"):
+                capacity_factor: float = 0.0, dense_form: str = "expanded",
+                remat: str = "full", muon_distribution: str = "replicated"):
   """Compiles one train step; returns a result row.
 
   `state_bytes` (params + optimizer state + batch per device) comes from the shardings,
@@ -176,10 +191,13 @@ def compile_one(topology, devices, mesh_sizes, stage, seq_len, num_layers, param
              moe_capacity_factor=capacity_factor, stage=stage, seq_len=seq_len,
              global_batch=batch, tokens_per_device=batch * seq_len // mesh.size,
              num_layers=num_layers, param_dtype=param_dtype, hbm_bytes=hbm * GIB,
-             dense_attention_form=dense_form)
-  cfg = model_config(stage, num_layers, param_dtype, dispatch, capacity_factor, dense_form)
+             dense_attention_form=dense_form, remat=remat,
+             muon_distribution=muon_distribution)
+  cfg = model_config(stage, num_layers, param_dtype, dispatch, capacity_factor, dense_form,
+                     remat)
   c = train_config(stage, seq_len, batch, mesh_sizes)
-  tx = step_lib.make_optimizer(c)
+  c.muon_distribution = muon_distribution
+  tx = step_lib.make_optimizer(c, param_shardings(cfg, mesh, rules(rule_name))[1])
   # Outside the mesh context, as in the loop: GLM5.init traces the model on [1, 8] tokens,
   # which expert parallelism's shard_map cannot split over the batch axes.
   state = abstract_state(cfg, tx, mesh, rules(rule_name))
@@ -210,7 +228,8 @@ def compile_one(topology, devices, mesh_sizes, stage, seq_len, num_layers, param
   row.update(ok=True, compile_seconds=time.perf_counter() - start,
              argument_bytes=mem.argument_size_in_bytes, output_bytes=mem.output_size_in_bytes,
              alias_bytes=mem.alias_size_in_bytes, temp_bytes=mem.temp_size_in_bytes,
-             peak_bytes=getattr(mem, "peak_memory_in_bytes", None), total_bytes=total)
+             peak_bytes=getattr(mem, "peak_memory_in_bytes", None), total_bytes=total,
+             collectives=collectives.collective_stats(compiled.as_text()))
   return row
 
 
@@ -262,6 +281,8 @@ def table(rows) -> str:
     mesh += {"default": "", "embed_over_context": "*", "lora_over_fsdp": "**"}[r["rules"]]
     stage = r["stage"] if r.get("part", "step") == "step" else f"{r['stage'][:5]}:{r['part']}"
     stage += "+abs" if r.get("dense_attention_form") == "absorbed" else ""
+    stage += {"offload_inputs": "+oi", "offload_inputs_attention": "+oia"}.get(r.get("remat"), "")
+    stage += "+own" if r.get("muon_distribution") == "owner" else ""
     lead = (f"{r['topology']:<11}{mesh:<19}{stage:<11}{r['seq_len']:>7}{r['num_layers']:>4}"
             f"{'f32' if r['param_dtype'] == 'float32' else 'bf16':>7}"
             f"{r.get('moe_capacity_factor') or '-':>5}{r['compile_seconds']:>10.0f}")
@@ -283,6 +304,8 @@ def table(rows) -> str:
                    f"{hbm}  NO (compile OOM)")
     else:
       lines.append(lead + f"{gib(r['state_bytes']):>10}  FAILED {r['error'][:140]}")
+  lines.append("stage: +abs absorbed dense attention, +oi / +oia remat offload_inputs / "
+               "offload_inputs_attention, +own muon_distribution=owner.")
   lines.append("mesh: d data, f fsdp, c context, e expert, t tensor; * rules=embed_over_context "
                "(parameters' embed dim over fsdp x context), ** rules=lora_over_fsdp (embed, "
                "q_lora, kv_lora over fsdp x context). args: compiled arguments, or "
@@ -322,9 +345,10 @@ def main(argv):
   layers = _NUM_LAYERS.value or config_lib.get_preset("glm5").num_hidden_layers
   settings = dict(topology=_TOPOLOGY.value, device_kind=kind, hbm_gib=hbm, jax=jax.__version__,
                   preset="glm5", num_layers=layers, param_dtype=_PARAM_DTYPE.value,
-                  dtype="bfloat16", remat="full", attention_impl="xla", rules=_RULES.value,
+                  dtype="bfloat16", attention_impl="xla", rules=_RULES.value,
                   expert_dispatch=_DISPATCH.value, moe_capacity_factor=_CAPACITY.value,
-                  part=_PART.value, dense_attention_form=_DENSE_FORM.value)
+                  part=_PART.value, dense_attention_form=_DENSE_FORM.value,
+                  remat=_REMAT.value, muon_distribution=_MUON.value)
   print(f"target: {len(devices)} x {kind}, {hbm:g} GiB HBM each; compiled on "
         f"{jax.devices()[0].device_kind}; {settings}")
   rows = []
@@ -334,7 +358,8 @@ def main(argv):
         r = compile_one(_TOPOLOGY.value, devices, sizes, stage, t, layers, _PARAM_DTYPE.value,
                         _RULES.value, _DISPATCH.value, hbm, part=_PART.value,
                         do_compile=_COMPILE.value, capacity_factor=_CAPACITY.value,
-                        dense_form=_DENSE_FORM.value)
+                        dense_form=_DENSE_FORM.value, remat=_REMAT.value,
+                        muon_distribution=_MUON.value)
         rows.append(r)
         done = {True: "ok", None: "not compiled", False: f"FAILED {r.get('error', '')[:300]}"}
         print(f"  {sizes} {stage} t={t}: {done[r['ok']]} ({r['compile_seconds']:.0f} s); "
@@ -344,6 +369,9 @@ def main(argv):
           print(f"    args {r['argument_bytes'] / GIB:.2f}, temp {r['temp_bytes'] / GIB:.2f}, "
                 f"out {r['output_bytes'] / GIB:.2f}, alias {r['alias_bytes'] / GIB:.2f}, total "
                 f"{r['total_bytes'] / GIB:.2f} GiB", flush=True)
+          print("    collectives per device: " + ", ".join(
+              f"{k} {v['count']} x, {v['bytes'] / GIB:.3f} GiB"
+              for k, v in r["collectives"].items() if v["count"]), flush=True)
   print(table(rows))
   if _OUT.value:
     with open(_OUT.value, "w") as f:
