@@ -31,14 +31,10 @@ from glm5_jax import optim
 from glm5_jax import sharding as shd
 from glm5_jax.train import step as step_lib
 
-_MESHES = flags.DEFINE_multi_string(
-    "mesh", ["fsdp=8", "fsdp=2,expert=2,tensor=2", "fsdp=4,tensor=2"],
-    "mesh sizes 'axis=n,...' (absent axes are 1); repeat for several meshes")
-_RULES = flags.DEFINE_enum("rules", "lora_over_fsdp", ["default", "embed_over_context",
-                                                       "lora_over_fsdp"],
-                           "logical-axis rules (aot_train_memory.rules)")
+# --mesh, --rules and --out are aot_train_memory's flags, with defaults for 8 CPU devices.
+flags.FLAGS.set_default("mesh", ["fsdp=8", "fsdp=2,expert=2,tensor=2", "fsdp=4,tensor=2"])
+flags.FLAGS.set_default("rules", "lora_over_fsdp")
 _SEQ = flags.DEFINE_integer("seq_len", 64, "tokens per sequence of the step's batch")
-_OUT = flags.DEFINE_string("out", "", "JSON output path (optional)")
 GIB = 2 ** 30
 
 
@@ -60,6 +56,7 @@ def measure(sizes, rule_name, seq_len):
   cfg = step_lib.stage_model_config(cfg, "pretrain")
   c = pretrain_config.get_config("model=tiny,runlocal=True")
   c.seq_len, c.batch_size = seq_len, shd.batch_axis_size(mesh)
+  c.warmup_steps = 0                  # a nonzero learning rate at the first update
   shapes, p_sh = aot.param_shardings(cfg, mesh, aot.rules(rule_name))
   params, grads = _random(shapes, 1), _random(shapes, 2)
   batch_sh = shd.batch_sharding(mesh)
@@ -115,20 +112,20 @@ def table(rows) -> str:
 def main(argv):
   del argv
   rows = []
-  for spec in _MESHES.value:
+  for spec in aot._MESHES.value:
     sizes = aot.parse_mesh(spec)
     if math.prod(sizes.values()) > jax.device_count():
       raise SystemExit(f"--mesh={spec!r} needs {math.prod(sizes.values())} devices; this "
                        f"process has {jax.device_count()} (set XLA_FLAGS="
                        "--xla_force_host_platform_device_count=8 before starting it)")
-    rows += measure(sizes, _RULES.value, _SEQ.value)
+    rows += measure(sizes, aot._RULES.value, _SEQ.value)
     print(table(rows[-4:]), flush=True)
   print(table(rows))
-  if _OUT.value:
-    with open(_OUT.value, "w") as f:
+  if aot._OUT.value:
+    with open(aot._OUT.value, "w") as f:
       json.dump(dict(jax=jax.__version__, device=jax.devices()[0].device_kind, rows=rows),
                 f, indent=1)
-    print(f"wrote {_OUT.value}")
+    print(f"wrote {aot._OUT.value}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 `collective_stats(compiled.as_text())` gives, per kind (all-reduce, all-gather,
 reduce-scatter, all-to-all, collective-permute): `ops`, the instructions in the program;
 `count`, how many run per call, each instruction weighted by the trip counts of the while
-loops around it (XLA's `known_trip_count`; a loop without one counts once); `bytes`, the
+loops around it (XLA's `known_trip_count`, else the bound N of a condition `i < N` on a
+constant, as jax's loops from 0 by 1 compile on TPU; a loop with neither counts once);
+`bytes`, the
 result bytes per device of those runs (a combined collective's tuple counted whole; for an
 asynchronous `-start`, its outputs only). Bytes are what each device receives or holds after
 the op, a measure of volume, not of the wire protocol.
@@ -24,6 +26,9 @@ _ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([\d,]*)\]")
 _CALLS = re.compile(r"(?:body|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CONDITION = re.compile(r"condition=%?([\w.\-]+)")
+_CONSTANT = re.compile(r"%?([\w.\-]+) = s(?:32|64)\[\]\S* constant\((\d+)\)")
+_LESS = re.compile(r"compare\(%?[\w.\-]+, %?([\w.\-]+)\), direction=LT")
 
 
 def _arrays(type_text: str) -> list[int]:
@@ -62,15 +67,29 @@ def _computations(hlo: str) -> tuple[list[tuple[str, list[str]]], str | None]:
   return comps, entry
 
 
+def _trips(line: str, bodies: dict[str, list[str]]) -> int:
+  """Trip count of the while instruction `line` (1 if unknown)."""
+  known = _TRIPS.search(line)
+  if known:
+    return int(known[1])
+  cond = _CONDITION.search(line)
+  lines = bodies.get(cond[1], []) if cond else []
+  constants = dict(m.groups() for m in map(_CONSTANT.search, lines) if m)
+  for m in filter(None, map(_LESS.search, lines)):
+    if m[1] in constants:
+      return int(constants[m[1]])
+  return 1
+
+
 def collective_stats(hlo: str) -> dict[str, dict[str, int]]:
   """{kind: {"ops", "count", "bytes"}} for every kind of `KINDS` (zeros where absent)."""
   comps, entry = _computations(hlo)
+  bodies = dict(comps)
   mult = collections.defaultdict(int)
   mult[entry] = 1
   for name, body in reversed(comps):                  # callers follow their callees
     for line in body:
-      trips = _TRIPS.search(line)
-      factor = int(trips[1]) if (trips and " while(" in line) else 1
+      factor = _trips(line, bodies) if " while(" in line else 1
       callees = _CALLS.findall(line)
       for group in _BRANCHES.findall(line):
         callees += [c.strip().lstrip("%") for c in group.split(",")]

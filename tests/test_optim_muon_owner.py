@@ -39,8 +39,8 @@ def _layouts(mesh, leaves):
   shapes = [jax.ShapeDtypeStruct(leaves[k][0], jnp.float32) for k in names]
   dims = [leaves[k][2] for k in names]
   sh = [NamedSharding(mesh, leaves[k][1]) for k in names]
-  depth = [leaves[k][0][0] if k.startswith("stacked") else 1 for k in names]
-  buckets, local = muon_owner.plan(shapes, dims, sh, depth)
+  stacked = [int(k.startswith("stacked")) for k in names]
+  buckets, local = muon_owner.plan(shapes, dims, sh, stacked)
   return names, buckets, local
 
 
@@ -63,15 +63,18 @@ def test_plan_deals_sharded_blocks_to_owners_and_leaves_local_blocks_in_place():
   by_leaf = {names[b.leaves[0]]: b for b in buckets}
   wq = by_leaf["stacked_wq_b"]
   assert (wq.m, wq.n, wq.m_axes, wq.n_axes, wq.g) == (16, 8, ("fsdp",), (), 2)
-  assert wq.nb == 3 * 2 and wq.padded >= wq.nb and wq.padded % wq.g == 0
+  # 2 local heads per layer, one to each of the 2 owners, one layer per round.
+  assert (wq.depth, wq.per_layer, wq.layers_per_round, wq.per_owner, wq.rounds) == (
+      3, 2, 1, 1, 3)
+  assert wq.padding == 0
   ex = by_leaf["experts"]
-  assert (ex.m, ex.n, ex.g, ex.nb) == (16, 12, 2, 2)   # 2 local experts, dealt over fsdp
+  assert (ex.m, ex.n, ex.g, ex.depth, ex.per_layer) == (16, 12, 2, 1, 2)  # 2 local experts
   wo = by_leaf["wo"]
   assert (wo.m, wo.n, wo.m_axes, wo.n_axes, wo.g_m, wo.g_n) == (32, 16, ("tensor",),
                                                                  ("fsdp",), 2, 2)
 
 
-def test_plan_puts_blocks_of_one_shape_and_layout_in_one_bucket():
+def test_plan_puts_leaves_of_one_block_shape_layout_and_depth_in_one_bucket():
   mesh = AbstractMesh((4, 2), ("fsdp", "tensor"))
   dims = MDN(1, 2)
   names, buckets, local = _layouts(mesh, {
@@ -82,10 +85,12 @@ def test_plan_puts_blocks_of_one_shape_and_layout_in_one_bucket():
   })
   assert not local
   assert sorted(sorted(names[i] for i in b.leaves) for b in buckets) == [
-      ["c", "stacked_a", "stacked_b"], ["d"]]
-  abc = next(b for b in buckets if len(b.leaves) == 3)
-  # 11 blocks over 4 owners, about one layer's blocks (of 5 layers) per round.
-  assert abc.nb == 11 and abc.per_owner == 1 and abc.rounds == 3
+      ["c"], ["d"], ["stacked_a", "stacked_b"]]
+  ab = next(b for b in buckets if len(b.leaves) == 2)
+  # 2 blocks per layer for 4 owners: rounds of 2 layers (3 rounds for 5 layers, the last one
+  # clamped to layers 3-4: layer 3 twice), one block per owner.
+  assert (ab.per_layer, ab.layers_per_round, ab.rounds, ab.per_owner) == (2, 2, 3, 1)
+  np.testing.assert_allclose(ab.padding, 1 - 10 / 12)
 
 
 def test_ns_flops_counts_the_quintic_iteration():

@@ -10,22 +10,24 @@ Replicated (GSPMD on the sharded leaves, `muon_split.scale_by_muon`'s default): 
 whose fan-in or fan-out is sharded is orthogonalized by all of its devices at once, with the
 m x m Gram products all-reduced at every Newton–Schulz step (6 all-reduces per block).
 
-Owner (this module), per shape bucket: the blocks of one `[m, n]` shape and dtype whose
-pieces lie over the same mesh axes (the `g` devices that shard fan-in and fan-out), across
-all leaves, heads, experts and layers. Inside one `shard_map` over the mesh:
+Owner (this module), per shape bucket: the leaves whose blocks have one `[m, n]` shape,
+dtype and stack depth L, with pieces over the same mesh axes (the `g` devices that shard
+fan-in and fan-out), e.g. all 75 MoE layers' `w_gate` and `w_up`. Inside one `shard_map`
+over the mesh, a loop over rounds of k layers (k = 1 when a layer has >= g blocks, more when
+it has fewer, so that every owner gets work):
 
-  1. Every device lists its pieces of the bucket's blocks, `[NB, m / g_m, n / g_n]` (each
-     leaf transposed to batch, fan-in, fan-out axes, as optax's Newton–Schulz reshapes it),
-     padded with zero blocks to `T x g x c`.
-  2. Per round (`lax.map` over T, about one layer's blocks per round, so memory stays that
-     of a per-layer loop): one `all_to_all` over the g devices sends the pieces of block
-     chunk j to device j, which then holds c whole blocks.
+  1. Every device lists its pieces of the round's blocks, `[k x blocks per layer, m / g_m,
+     n / g_n]` (each leaf's k layers transposed to batch, fan-in, fan-out axes, as optax's
+     Newton–Schulz reshapes it), padded with zero blocks to `g x c`.
+  2. One `all_to_all` over the g devices sends the pieces of chunk j (c blocks) to device j,
+     which then holds c whole blocks.
   3. The owner runs Newton–Schulz on its c blocks (a zero block stays zero).
-  4. One `all_to_all` returns the pieces; the list is cut back into the leaves, each in its
-     own sharding.
+  4. One `all_to_all` returns the pieces; they are written into each leaf's output at the
+     round's layers (in place), in the leaf's own sharding.
 
-Blocks are dealt out in equal counts per bucket (equal shapes: equal FLOPs; `plan` reports
-the padding). A block whose fan-in and fan-out are unsharded (heads over `tensor`, experts
+Memory is that of a per-layer loop: one round's blocks at a time, no copy of a whole
+bucket. Blocks are dealt out in equal counts per round (equal shapes: equal FLOPs); `plan`
+gives the padding (and the layers a last, clamped round repeats). A block whose fan-in and fan-out are unsharded (heads over `tensor`, experts
 over `expert`, fan-in whole) is local: it is orthogonalized in place, nothing moves, as in
 the replicated mode. Devices that hold copies of the same pieces (mesh axes that shard
 neither the block nor its batch axes) repeat the same work. A leaf whose block is sharded on
@@ -48,14 +50,13 @@ from jax.sharding import PartitionSpec as P
 
 
 class Layout(NamedTuple):
-  """One leaf seen as blocks: transpose `perm` to (batch, fan-in, fan-out), `nb` local blocks
-  of `[m, n]` (whole), pieces over mesh axes `m_axes` (fan-in) and `n_axes` (fan-out)."""
+  """One leaf seen as blocks: transpose `perm` to (batch, fan-in, fan-out) axes, blocks of
+  `[m, n]` (whole) with pieces over mesh axes `m_axes` (fan-in) and `n_axes` (fan-out)."""
   perm: tuple[int, ...]
   m: int
   n: int
   m_axes: tuple[str, ...]
   n_axes: tuple[str, ...]
-  n_batch: int     # leading axes of the transposed leaf that are batch axes
 
   @property
   def axes(self) -> tuple[str, ...]:
@@ -63,26 +64,32 @@ class Layout(NamedTuple):
 
 
 class Bucket(NamedTuple):
-  """Blocks of one shape, dtype and piece layout; `leaves` index the flat leaf list."""
+  """Leaves (indices into the flat leaf list) whose blocks are dealt out together."""
   leaves: tuple[int, ...]
   m: int
   n: int
-  dtype: Any
   m_axes: tuple[str, ...]
   n_axes: tuple[str, ...]
   g_m: int
   g_n: int
-  nb: int          # blocks one device lists (its pieces), before padding
-  rounds: int      # T
-  per_owner: int   # c: blocks each owner orthogonalizes per round
+  depth: int             # L: layers of every leaf (1: not stacked)
+  per_layer: int         # blocks a device holds pieces of, per layer, over the leaves
+  layers_per_round: int  # k
+  per_owner: int         # c: blocks each owner orthogonalizes per round
 
   @property
   def g(self) -> int:
     return self.g_m * self.g_n
 
   @property
-  def padded(self) -> int:
-    return self.rounds * self.g * self.per_owner
+  def rounds(self) -> int:
+    return -(-self.depth // self.layers_per_round)
+
+  @property
+  def padding(self) -> float:
+    """Share of the owners' Newton–Schulz work spent on zero blocks and repeated layers."""
+    work = self.rounds * self.g * self.per_owner
+    return 1.0 - self.depth * self.per_layer / work
 
 
 def _axes(a) -> tuple[int, ...]:
@@ -111,7 +118,7 @@ def layout(shape: Sequence[int], dims, sharding) -> Layout | None:
     return None
   return Layout(perm=batch + red + out, m=math.prod(shape[a] for a in red),
                 n=math.prod(shape[a] for a in out), m_axes=per_dim[red[0]],
-                n_axes=per_dim[out[0]], n_batch=len(batch))
+                n_axes=per_dim[out[0]])
 
 
 def _size(mesh, axes) -> int:
@@ -119,10 +126,10 @@ def _size(mesh, axes) -> int:
 
 
 def plan(shapes: Sequence[Any], dims: Sequence[Any], shardings: Sequence[Any],
-         depth: Sequence[int]) -> tuple[list[Bucket], list[int]]:
-  """Buckets of the leaves whose blocks are sharded, and the indices of the other (local or
-  not dealable) leaves. `shapes[i]` has `.shape` and `.dtype`; `depth[i]` is the leaf's
-  stack depth (layers), which sets about one layer's blocks per round."""
+         stacked: Sequence[int]) -> tuple[list[Bucket], list[int]]:
+  """Buckets of the leaves whose blocks are sharded, and the indices of the other (local, or
+  not dealable) leaves. `shapes[i]` has `.shape` and `.dtype`; `stacked[i]` is the number of
+  the leaf's leading stack axes (`pg.Rule.stacked`)."""
   groups: dict[tuple, list[int]] = {}
   local = []
   for i, (x, d, s) in enumerate(zip(shapes, dims, shardings)):
@@ -130,23 +137,27 @@ def plan(shapes: Sequence[Any], dims: Sequence[Any], shardings: Sequence[Any],
     if lay is None or not lay.axes:
       local.append(i)
       continue
-    key = (lay.m, lay.n, jnp.dtype(x.dtype).name, lay.m_axes, lay.n_axes, id(s.mesh))
+    depth = math.prod(x.shape[:stacked[i]])
+    key = (lay.m, lay.n, jnp.dtype(x.dtype).name, lay.m_axes, lay.n_axes, depth, id(s.mesh))
     groups.setdefault(key, []).append(i)
   buckets = []
-  for (m, n, dtype, m_axes, n_axes, _), idx in groups.items():
+  for (m, n, _, m_axes, n_axes, depth, _), idx in groups.items():
     mesh = shardings[idx[0]].mesh
-    nb = 0
-    for i in idx:
-      lay = layout(shapes[i].shape, dims[i], shardings[i])
-      shard = shardings[i].shard_shape(tuple(shapes[i].shape))
-      nb += math.prod(shard[a] for a in lay.perm[:lay.n_batch])
+    per_layer = sum(_blocks_per_layer(shapes[i].shape, dims[i], shardings[i], stacked[i])
+                    for i in idx)
     g = _size(mesh, m_axes) * _size(mesh, n_axes)
-    rounds0 = max([1] + [depth[i] for i in idx])
-    c = max(1, -(-nb // (g * rounds0)))
-    buckets.append(Bucket(tuple(idx), m, n, jnp.dtype(dtype), m_axes, n_axes,
-                          _size(mesh, m_axes), _size(mesh, n_axes), nb,
-                          -(-nb // (g * c)), c))
+    k = min(depth, -(-g // per_layer))
+    buckets.append(Bucket(tuple(idx), m, n, m_axes, n_axes, _size(mesh, m_axes),
+                          _size(mesh, n_axes), depth, per_layer, k, -(-k * per_layer // g)))
   return buckets, local
+
+
+def _blocks_per_layer(shape, dims, sharding, stacked: int) -> int:
+  """Blocks of one layer (of a stack; of the leaf if not stacked) that a device holds."""
+  nd = len(shape)
+  mat = {a % nd for a in _axes(dims.reduction_axis) + _axes(dims.output_axis)}
+  shard = sharding.shard_shape(tuple(shape))
+  return math.prod(shard[a] for a in range(stacked, nd) if a not in mat)
 
 
 def ns_flops(m: int, n: int, steps: int = 5) -> int:
@@ -157,59 +168,68 @@ def ns_flops(m: int, n: int, steps: int = 5) -> int:
 
 
 def orthogonalize(leaves: Sequence[jax.Array], dims: Sequence[Any], shardings: Sequence[Any],
-                  depth: Sequence[int], ns_2d: Callable[[jax.Array], jax.Array],
+                  stacked: Sequence[int], ns_2d: Callable[[jax.Array], jax.Array],
                   local_fn: Callable[[int], jax.Array]) -> list[jax.Array]:
   """Newton–Schulz of every leaf, owner-computes where its blocks are sharded.
 
   leaves: the (bias-corrected) momenta; dims: each leaf's MuonDimensionNumbers with its stack
-  axes as batch axes; shardings: each leaf's (parameter's) sharding; depth: stack depth per
-  leaf; ns_2d: NS of one [m, n] block; local_fn(i): leaf i orthogonalized in place.
+  axes as batch axes; shardings: each leaf's (parameter's) sharding; stacked: leading stack
+  axes per leaf; ns_2d: NS of one [m, n] block; local_fn(i): leaf i orthogonalized in place.
   """
-  buckets, local = plan(leaves, dims, shardings, depth)
+  buckets, local = plan(leaves, dims, shardings, stacked)
   out: list[Any] = [None] * len(leaves)
   for i in local:
     out[i] = local_fn(i)
   for b in buckets:
-    for i, y in zip(b.leaves, _run_bucket(b, [leaves[i] for i in b.leaves],
-                                          [dims[i] for i in b.leaves],
-                                          [shardings[i] for i in b.leaves], ns_2d)):
+    pick = lambda seq: [seq[i] for i in b.leaves]
+    for i, y in zip(b.leaves, _run_bucket(b, pick(leaves), pick(dims), pick(shardings),
+                                          pick(stacked), ns_2d)):
       out[i] = y
   return out
 
 
-def _run_bucket(b: Bucket, xs, dims, shardings, ns_2d):
+def _run_bucket(b: Bucket, xs, dims, shardings, stacked, ns_2d):
+  """One shard_map over the mesh: rounds of `b.layers_per_round` layers of every leaf."""
   mesh = shardings[0].mesh
-  lays = [layout(x.shape, d, s) for x, d, s in zip(xs, dims, shardings)]
   m_loc, n_loc = b.m // b.g_m, b.n // b.g_n
-  axes = b.m_axes + b.n_axes
+  axes, k, c = b.m_axes + b.n_axes, b.layers_per_round, b.per_owner
+  # Each leaf as [L, rest...]: stack axes merged (or a new one of 1); perm over that view.
+  perms = []
+  for x, d, s, st in zip(xs, dims, shardings, stacked):
+    perm = layout(x.shape, d, s).perm
+    perms.append((0,) + tuple(a - st + 1 for a in perm[st:]))
+
+  def as_stack(x, st):
+    return x.reshape((b.depth,) + x.shape[st:]) if st else x[None]
 
   def body(*local):
-    flat, shapes_t = [], []
-    for x, lay in zip(local, lays):
-      xt = jnp.transpose(x, lay.perm)
-      flat.append(xt.reshape(-1, m_loc, n_loc))
-      shapes_t.append(xt.shape)
-    blocks = jnp.concatenate(flat) if len(flat) > 1 else flat[0]
-    blocks = jnp.pad(blocks, ((0, b.padded - blocks.shape[0]), (0, 0), (0, 0)))
-    rounds = blocks.reshape(b.rounds, b.g, b.per_owner, m_loc, n_loc)
+    views = [as_stack(x, st) for x, st in zip(local, stacked)]
 
-    def one_round(pieces):                      # [g, c, m_loc, n_loc] of my blocks
-      got = jax.lax.all_to_all(pieces, axes, 0, 0, tiled=True)   # chunk of device j's
-      whole = got.reshape(b.g_m, b.g_n, b.per_owner, m_loc, n_loc)
-      whole = whole.transpose(2, 0, 3, 1, 4).reshape(b.per_owner, b.m, b.n)
-      orth = jax.vmap(ns_2d)(whole)
-      back = orth.reshape(b.per_owner, b.g_m, m_loc, b.g_n, n_loc).transpose(1, 3, 0, 2, 4)
-      return jax.lax.all_to_all(back.reshape(b.g, b.per_owner, m_loc, n_loc), axes, 0, 0,
-                                tiled=True)
+    def one_round(r, outs):
+      start = jnp.minimum(r * k, b.depth - k)        # the last round may repeat layers
+      parts, shapes_t = [], []
+      for v, perm in zip(views, perms):
+        sl = jnp.transpose(jax.lax.dynamic_slice_in_dim(v, start, k, axis=0), perm)
+        shapes_t.append(sl.shape)
+        parts.append(sl.reshape(-1, m_loc, n_loc))
+      blocks = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+      blocks = jnp.pad(blocks, ((0, b.g * c - blocks.shape[0]), (0, 0), (0, 0)))
+      got = jax.lax.all_to_all(blocks.reshape(b.g, c, m_loc, n_loc), axes, 0, 0, tiled=True)
+      whole = got.reshape(b.g_m, b.g_n, c, m_loc, n_loc).transpose(2, 0, 3, 1, 4)
+      orth = jax.vmap(ns_2d)(whole.reshape(c, b.m, b.n))
+      back = orth.reshape(c, b.g_m, m_loc, b.g_n, n_loc).transpose(1, 3, 0, 2, 4)
+      done = jax.lax.all_to_all(back.reshape(b.g, c, m_loc, n_loc), axes, 0, 0, tiled=True)
+      done = done.reshape(b.g * c, m_loc, n_loc)
+      new, at = [], 0
+      for o, shape_t, perm in zip(outs, shapes_t, perms):
+        cnt = math.prod(shape_t) // (m_loc * n_loc)
+        y = jnp.transpose(done[at:at + cnt].reshape(shape_t), _inverse(perm))
+        new.append(jax.lax.dynamic_update_slice_in_dim(o, y, start, axis=0))
+        at += cnt
+      return new
 
-    done = jax.lax.map(one_round, rounds).reshape(b.padded, m_loc, n_loc)
-    res, start = [], 0
-    for shape_t, lay in zip(shapes_t, lays):
-      cnt = math.prod(shape_t) // (m_loc * n_loc)
-      y = done[start:start + cnt].reshape(shape_t)
-      res.append(jnp.transpose(y, _inverse(lay.perm)))
-      start += cnt
-    return tuple(res)
+    outs = jax.lax.fori_loop(0, b.rounds, one_round, [jnp.zeros_like(v) for v in views])
+    return tuple(o.reshape(x.shape) for o, x in zip(outs, local))
 
   specs = tuple(P(*s.spec) for s in shardings)
   fn = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=specs, check_vma=False)

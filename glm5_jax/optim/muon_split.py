@@ -48,8 +48,12 @@ axis, per-head Newton–Schulz is shard-local: the compiled update of a head-sha
 no collective (checked in tests/test_optim_muon_split.py), and neither does per-expert NS on
 expert-sharded experts. Whole-matrix NS on the same weights all-reduces X·Xᵀ over the head axis
 at every NS step (6 all-reduces: 5 steps + the Frobenius norm), as does any NS whose fan-in is
-sharded (e.g. FSDP on `q_lora`). Use GSPMD ("Auto") mesh axes: under Explicit axes, optax's
-reshape of a sharded `wo [h, v, d]` into one matrix needs an out_sharding it does not give.
+sharded (e.g. FSDP on `q_lora`): that is `distribution="replicated"`. With
+`distribution="owner"` and the parameters' shardings, such blocks are instead dealt to owner
+devices by one all-to-all per shape bucket, orthogonalized whole there and sent back
+(`muon_owner.py`; docs/muon_distributed.md); shard-local blocks stay where they are. Use GSPMD
+("Auto") mesh axes: under Explicit axes, optax's reshape of a sharded `wo [h, v, d]` into one
+matrix needs an out_sharding it does not give.
 """
 
 from __future__ import annotations
@@ -134,7 +138,7 @@ def scale_by_muon(*, ns_coeffs, ns_steps: int, beta: float, eps: float, mu_dtype
                                                         "frobenius", eps)
       out = muon_owner.orthogonalize(
           leaves, [r.dims for r in rules], [shardings.get(pg.path_str(p)) for p, _ in with_path],
-          [math.prod(x.shape[:r.stacked]) for x, r in zip(leaves, rules)], ns_2d, local)
+          [r.stacked for r in rules], ns_2d, local)
     return (jax.tree.unflatten(treedef, out),
             MuonState(count=count, mu=optax.tree.cast(mu, mu_dtype), ns_coeffs=state.ns_coeffs))
   return optax.GradientTransformation(init_fn, update_fn)
