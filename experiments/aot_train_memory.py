@@ -222,14 +222,16 @@ def compile_one(topology, devices, mesh_sizes, stage, seq_len, num_layers, param
     row.update(ok=False, compile_seconds=time.perf_counter() - start,
                error=f"{type(e).__name__}: " + " | ".join(msg.splitlines()[:3])[:600], **_oom(msg))
     return row
-  mem = compiled.memory_analysis()
+  mem, hlo = compiled.memory_analysis(), compiled.as_text()
   total = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
            + mem.temp_size_in_bytes)
   row.update(ok=True, compile_seconds=time.perf_counter() - start,
              argument_bytes=mem.argument_size_in_bytes, output_bytes=mem.output_size_in_bytes,
              alias_bytes=mem.alias_size_in_bytes, temp_bytes=mem.temp_size_in_bytes,
              peak_bytes=getattr(mem, "peak_memory_in_bytes", None), total_bytes=total,
-             collectives=collectives.collective_stats(compiled.as_text()))
+             host_temp_bytes=mem.host_temp_size_in_bytes,
+             collectives=collectives.collective_stats(hlo),
+             host_copies=len(re.findall(r"\bS\(5\)", hlo)))   # buffers in host memory space
   return row
 
 
@@ -368,7 +370,8 @@ def main(argv):
         if r["ok"]:
           print(f"    args {r['argument_bytes'] / GIB:.2f}, temp {r['temp_bytes'] / GIB:.2f}, "
                 f"out {r['output_bytes'] / GIB:.2f}, alias {r['alias_bytes'] / GIB:.2f}, total "
-                f"{r['total_bytes'] / GIB:.2f} GiB", flush=True)
+                f"{r['total_bytes'] / GIB:.2f} GiB; host temp {r['host_temp_bytes'] / GIB:.2f} "
+                f"GiB, {r['host_copies']} host-memory shapes in the HLO", flush=True)
           print("    collectives per device: " + ", ".join(
               f"{k} {v['count']} x, {v['bytes'] / GIB:.3f} GiB"
               for k, v in r["collectives"].items() if v["count"]), flush=True)

@@ -28,6 +28,9 @@ from experiments import aot_train_memory as aot
 from glm5_jax import collectives
 from glm5_jax import config as config_lib
 from glm5_jax import optim
+from glm5_jax.optim import muon_owner
+from glm5_jax.optim.param_groups import classify
+from glm5_jax.optim.param_groups import path_str
 from glm5_jax import sharding as shd
 from glm5_jax.train import step as step_lib
 
@@ -35,6 +38,8 @@ from glm5_jax.train import step as step_lib
 flags.FLAGS.set_default("mesh", ["fsdp=8", "fsdp=2,expert=2,tensor=2", "fsdp=4,tensor=2"])
 flags.FLAGS.set_default("rules", "lora_over_fsdp")
 _SEQ = flags.DEFINE_integer("seq_len", 64, "tokens per sequence of the step's batch")
+_PLAN = flags.DEFINE_string("plan", "", "a preset (e.g. glm5): print the owner plan of its "
+                            "Muon leaves over each --mesh (described, nothing compiled)")
 GIB = 2 ** 30
 
 
@@ -109,8 +114,45 @@ def table(rows) -> str:
   return "\n".join(lines)
 
 
+def plan_table(preset: str, sizes: dict, rule_name: str) -> str:
+  """The owner plan of `preset`'s Muon leaves over a described mesh (nothing compiled): per
+  bucket the leaves, block shape, owners g, rounds, blocks per owner per round, padding, and
+  the Newton–Schulz FLOPs per device (zero blocks included) against the same blocks spread
+  evenly over the g owners."""
+  mesh = jax.sharding.AbstractMesh(tuple(sizes.get(a, 1) for a in shd.MESH_AXES),
+                                   shd.MESH_AXES)
+  cfg = config_lib.get_preset(preset)
+  shapes, specs = aot.gnn.abstract_params(cfg)
+  p_sh = shd.param_shardings(specs, mesh, aot.rules(rule_name))
+  flat = jax.tree_util.tree_flatten_with_path(shapes)[0]
+  sh = jax.tree.leaves(p_sh, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+  rules = [classify(path_str(p), x.shape) for p, x in flat]
+  keep = [i for i, r in enumerate(rules) if r.dims is not None]
+  buckets, local = muon_owner.plan([flat[i][1] for i in keep], [rules[i].dims for i in keep],
+                                   [sh[i] for i in keep], [rules[i].stacked for i in keep])
+  lines = [f"{preset} over {sizes} (rules {rule_name}): {len(buckets)} buckets, "
+           f"{len(local)} leaves local"]
+  own_total = ideal_total = 0
+  for b in buckets:
+    names = ",".join(sorted({path_str(flat[keep[i]][0]).split("/")[-1] for i in b.leaves}))
+    f = muon_owner.ns_flops(b.m, b.n)
+    own = b.rounds * b.per_owner * f
+    ideal = b.depth * b.per_layer * f / b.g   # the blocks spread evenly, no padding
+    own_total, ideal_total = own_total + own, ideal_total + ideal
+    lines.append(f"  {names:<28} [{b.m}, {b.n}] L={b.depth:<3} g={b.g:<3} rounds={b.rounds:<3} "
+                 f"c={b.per_owner:<3} padding={b.padding:5.1%}  NS TFLOP/device owner "
+                 f"{own / 1e12:7.3f} (even {ideal / 1e12:7.3f})")
+  lines.append(f"  NS TFLOP per device over the sharded blocks: owner {own_total / 1e12:.2f}, "
+               f"evenly spread {ideal_total / 1e12:.2f}")
+  return "\n".join(lines)
+
+
 def main(argv):
   del argv
+  if _PLAN.value:
+    for spec in aot._MESHES.value:
+      print(plan_table(_PLAN.value, aot.parse_mesh(spec), aot._RULES.value))
+    return
   rows = []
   for spec in aot._MESHES.value:
     sizes = aot.parse_mesh(spec)

@@ -22,8 +22,8 @@ it has fewer, so that every owner gets work):
   2. One `all_to_all` over the g devices sends the pieces of chunk j (c blocks) to device j,
      which then holds c whole blocks.
   3. The owner runs Newton–Schulz on its c blocks (a zero block stays zero).
-  4. One `all_to_all` returns the pieces; they are written into each leaf's output at the
-     round's layers (in place), in the leaf's own sharding.
+  4. One `all_to_all` returns the pieces; they overwrite the round's layers of each leaf
+     (in place, in the leaf's own sharding).
 
 Memory is that of a per-layer loop: one round's blocks at a time, no copy of a whole
 bucket. Blocks are dealt out in equal counts per round (equal shapes: equal FLOPs); `plan`
@@ -146,10 +146,19 @@ def plan(shapes: Sequence[Any], dims: Sequence[Any], shardings: Sequence[Any],
     per_layer = sum(_blocks_per_layer(shapes[i].shape, dims[i], shardings[i], stacked[i])
                     for i in idx)
     g = _size(mesh, m_axes) * _size(mesh, n_axes)
-    k = min(depth, -(-g // per_layer))
+    k = _layers_per_round(depth, per_layer, g)
     buckets.append(Bucket(tuple(idx), m, n, m_axes, n_axes, _size(mesh, m_axes),
                           _size(mesh, n_axes), depth, per_layer, k, -(-k * per_layer // g)))
   return buckets, local
+
+
+def _layers_per_round(depth: int, per_layer: int, g: int) -> int:
+  """k: the fewest layers that give every owner a block, or up to 4x that many where fewer
+  zero blocks pad the rounds (work = rounds x blocks per owner; 33 blocks per layer over 32
+  owners: 150 block-slots one layer per round, 95 four at a time, for 75 layers)."""
+  k_min = min(depth, -(-g // per_layer))
+  work = lambda k: -(-depth // k) * -(-k * per_layer // g)
+  return min(range(k_min, min(depth, 4 * k_min) + 1), key=lambda k: (work(k), k))
 
 
 def _blocks_per_layer(shape, dims, sharding, stacked: int) -> int:
@@ -205,35 +214,47 @@ def _run_bucket(b: Bucket, xs, dims, shardings, stacked, ns_2d):
   def body(*local):
     views = [as_stack(x, st) for x, st in zip(local, stacked)]
 
-    def one_round(r, outs):
-      start = jnp.minimum(r * k, b.depth - k)        # the last round may repeat layers
+    def one_round(r, vs):
+      # Rounds write their results over their own layers of the momenta (in place: no second
+      # stack-sized buffer). The last round may start early (layers clamped to the stack);
+      # the layers an earlier round wrote keep that result.
+      start = jnp.minimum(r * k, b.depth - k)
+      fresh = start + jnp.arange(k) >= r * k
+      olds = [jax.lax.dynamic_slice_in_dim(v, start, k, axis=0) for v in vs]
       parts, shapes_t = [], []
-      for v, perm in zip(views, perms):
-        sl = jnp.transpose(jax.lax.dynamic_slice_in_dim(v, start, k, axis=0), perm)
+      for old, perm in zip(olds, perms):
+        sl = jnp.transpose(old, perm)
         shapes_t.append(sl.shape)
         parts.append(sl.reshape(-1, m_loc, n_loc))
       blocks = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
       blocks = jnp.pad(blocks, ((0, b.g * c - blocks.shape[0]), (0, 0), (0, 0)))
-      got = jax.lax.all_to_all(blocks.reshape(b.g, c, m_loc, n_loc), axes, 0, 0, tiled=True)
+      got = _all_to_all(blocks, axes, b.g)
       whole = got.reshape(b.g_m, b.g_n, c, m_loc, n_loc).transpose(2, 0, 3, 1, 4)
       orth = jax.vmap(ns_2d)(whole.reshape(c, b.m, b.n))
       back = orth.reshape(c, b.g_m, m_loc, b.g_n, n_loc).transpose(1, 3, 0, 2, 4)
-      done = jax.lax.all_to_all(back.reshape(b.g, c, m_loc, n_loc), axes, 0, 0, tiled=True)
-      done = done.reshape(b.g * c, m_loc, n_loc)
+      done = _all_to_all(back, axes, b.g).reshape(b.g * c, m_loc, n_loc)
       new, at = [], 0
-      for o, shape_t, perm in zip(outs, shapes_t, perms):
+      for v, old, shape_t, perm in zip(vs, olds, shapes_t, perms):
         cnt = math.prod(shape_t) // (m_loc * n_loc)
         y = jnp.transpose(done[at:at + cnt].reshape(shape_t), _inverse(perm))
-        new.append(jax.lax.dynamic_update_slice_in_dim(o, y, start, axis=0))
+        y = jnp.where(fresh.reshape((k,) + (1,) * (y.ndim - 1)), y, old)
+        new.append(jax.lax.dynamic_update_slice_in_dim(v, y, start, axis=0))
         at += cnt
       return new
 
-    outs = jax.lax.fori_loop(0, b.rounds, one_round, [jnp.zeros_like(v) for v in views])
+    outs = jax.lax.fori_loop(0, b.rounds, one_round, views)
     return tuple(o.reshape(x.shape) for o, x in zip(outs, local))
 
   specs = tuple(P(*s.spec) for s in shardings)
   fn = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=specs, check_vma=False)
   return fn(*xs)
+
+
+def _all_to_all(x, axes, g: int):
+  """Chunk j of x (split in g along its leading axes) to device j of `axes`; what device j
+  sent comes back at position j. Flattened to [g, -1] first: XLA:CPU's verifier refuses an
+  all-to-all whose operand is a transpose (its split operands get different layouts)."""
+  return jax.lax.all_to_all(x.reshape(g, -1), axes, 0, 0, tiled=True)
 
 
 def _inverse(perm):
