@@ -132,18 +132,22 @@ def plan_table(preset: str, sizes: dict, rule_name: str) -> str:
                                    [sh[i] for i in keep], [rules[i].stacked for i in keep])
   lines = [f"{preset} over {sizes} (rules {rule_name}): {len(buckets)} buckets, "
            f"{len(local)} leaves local"]
-  own_total = ideal_total = 0
+  own_total = ideal_total = rep_total = 0
   for b in buckets:
     names = ",".join(sorted({path_str(flat[keep[i]][0]).split("/")[-1] for i in b.leaves}))
     f = muon_owner.ns_flops(b.m, b.n)
     own = b.rounds * b.per_owner * f
     ideal = b.depth * b.per_layer * f / b.g   # the blocks spread evenly, no padding
-    own_total, ideal_total = own_total + own, ideal_total + ideal
+    lo, hi = min(b.m, b.n), max(b.m, b.n)
+    rep = b.depth * b.per_layer * 5 * (4 * lo * lo * hi / b.g + 2 * lo ** 3)
+    own_total, ideal_total, rep_total = own_total + own, ideal_total + ideal, rep_total + rep
     lines.append(f"  {names:<28} [{b.m}, {b.n}] L={b.depth:<3} g={b.g:<3} rounds={b.rounds:<3} "
                  f"c={b.per_owner:<3} padding={b.padding:5.1%}  NS TFLOP/device owner "
                  f"{own / 1e12:7.3f} (even {ideal / 1e12:7.3f})")
   lines.append(f"  NS TFLOP per device over the sharded blocks: owner {own_total / 1e12:.2f}, "
-               f"evenly spread {ideal_total / 1e12:.2f}")
+               f"evenly spread {ideal_total / 1e12:.2f}, replicated about "
+               f"{rep_total / 1e12:.2f} (Gram products split over the g devices, the "
+               f"min(m, n)^2 products whole on each)")
   return "\n".join(lines)
 
 

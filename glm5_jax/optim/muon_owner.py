@@ -153,12 +153,13 @@ def plan(shapes: Sequence[Any], dims: Sequence[Any], shardings: Sequence[Any],
 
 
 def _layers_per_round(depth: int, per_layer: int, g: int) -> int:
-  """k: the fewest layers that give every owner a block, or up to 4x that many where fewer
-  zero blocks pad the rounds (work = rounds x blocks per owner; 33 blocks per layer over 32
-  owners: 150 block-slots one layer per round, 95 four at a time, for 75 layers)."""
+  """k: the fewest layers that give every owner a block, or twice that many where fewer zero
+  blocks pad the rounds (work = rounds x blocks per owner; 33 blocks per layer over 32
+  owners, 75 layers: 150 block slots one layer per round, 114 two at a time). A round holds
+  about 4 copies of its k layers' pieces, so k stays small."""
   k_min = min(depth, -(-g // per_layer))
   work = lambda k: -(-depth // k) * -(-k * per_layer // g)
-  return min(range(k_min, min(depth, 4 * k_min) + 1), key=lambda k: (work(k), k))
+  return min(range(k_min, min(depth, 2 * k_min) + 1), key=lambda k: (work(k), k))
 
 
 def _blocks_per_layer(shape, dims, sharding, stacked: int) -> int:
@@ -230,7 +231,7 @@ def _run_bucket(b: Bucket, xs, dims, shardings, stacked, ns_2d):
       blocks = jnp.pad(blocks, ((0, b.g * c - blocks.shape[0]), (0, 0), (0, 0)))
       got = _all_to_all(blocks, axes, b.g)
       whole = got.reshape(b.g_m, b.g_n, c, m_loc, n_loc).transpose(2, 0, 3, 1, 4)
-      orth = jax.vmap(ns_2d)(whole.reshape(c, b.m, b.n))
+      orth = jax.lax.map(ns_2d, whole.reshape(c, b.m, b.n))   # one block's NS temporaries
       back = orth.reshape(c, b.g_m, m_loc, b.g_n, n_loc).transpose(1, 3, 0, 2, 4)
       done = _all_to_all(back, axes, b.g).reshape(b.g * c, m_loc, n_loc)
       new, at = [], 0
