@@ -14,7 +14,7 @@ Owner (this module), per shape bucket: the leaves whose blocks have one `[m, n]`
 dtype and stack depth L, with pieces over the same mesh axes (the `g` devices that shard
 fan-in and fan-out), e.g. all 75 MoE layers' `w_gate` and `w_up`. Inside one `shard_map`
 over the mesh, a loop over rounds of k layers (k = 1 when a layer has >= g blocks, more when
-it has fewer, so that every owner gets work):
+it has fewer, so that every owner gets work; `_layers_per_round`):
 
   1. Every device lists its pieces of the round's blocks, `[k x blocks per layer, m / g_m,
      n / g_n]` (each leaf's k layers transposed to batch, fan-in, fan-out axes, as optax's
@@ -25,14 +25,15 @@ it has fewer, so that every owner gets work):
   4. One `all_to_all` returns the pieces; they overwrite the round's layers of each leaf
      (in place, in the leaf's own sharding).
 
-Memory is that of a per-layer loop: one round's blocks at a time, no copy of a whole
-bucket. Blocks are dealt out in equal counts per round (equal shapes: equal FLOPs); `plan`
-gives the padding (and the layers a last, clamped round repeats). A block whose fan-in and fan-out are unsharded (heads over `tensor`, experts
-over `expert`, fan-in whole) is local: it is orthogonalized in place, nothing moves, as in
-the replicated mode. Devices that hold copies of the same pieces (mesh axes that shard
-neither the block nor its batch axes) repeat the same work. A leaf whose block is sharded on
-a minor axis of a multi-axis fan-in or fan-out (its pieces are not contiguous rows) keeps
-the replicated path.
+Memory: one round's pieces at a time in about four buffers (sent, received, orthogonalized,
+returned), no copy of a whole bucket; NS runs on one block at a time. Blocks are dealt out
+in equal counts per round (equal shapes: equal FLOPs); `plan` gives the zero-block padding
+(and the layers a last, clamped round repeats). A block whose fan-in and fan-out are
+unsharded (heads over `tensor`, experts over `expert`, fan-in whole) is local: it is
+orthogonalized in place and nothing moves, as in the replicated mode. Devices that hold
+copies of the same pieces (mesh axes that shard neither the block nor its batch axes)
+repeat the same work. A leaf whose block is sharded on a minor axis of a multi-axis fan-in
+or fan-out (its pieces are not contiguous rows) keeps the replicated path.
 
 The optimizer state is the same arrays in the same shardings in both modes: only the
 update's computation differs, so checkpoints are interchangeable.
