@@ -8,12 +8,12 @@ r"""Per-device memory of one GLM-5 train step, compiled for a described TPU slic
 What is compiled (`--part=step`) is `train.step.train_step` as `train.loop.run` jits it:
 value_and_grad of the stage's loss (LM + MTP, or the indexer KL), gradient clipping, Muon
 Split over the whole parameter tree with the stage's frozen mask (midtrain: the indexer is
-frozen and holds no state), the routing-bias update; in/out shardings of the train state
-from `sharding.param_shardings` (rules of `--rules`) and `optim.state_shardings`, the state
-donated. `--part=grad` / `--part=update` compile only the loss gradient / only the optimizer
+frozen and holds no state) and `--muon_distribution`, the routing-bias update; in/out
+shardings of the train state from `sharding.param_shardings` (rules of `--rules`) and
+`optim.state_shardings`, the state donated. `--part=grad` / `--part=update` compile only the loss gradient / only the optimizer
 update, to split the step's memory. The model is the `glm5` preset (78 layers, scanned),
-bfloat16 activations, `--remat` (default "full"), `attention_impl="xla"` (context parallelism needs it),
-parameters in `--param_dtype` (float32 master weights by default; Muon momentum and Adam
+bfloat16 activations, `--remat` (default "full"), `attention_impl="xla"` (context
+parallelism needs it), parameters in `--param_dtype` (float32 master weights by default; Muon momentum and Adam
 moments follow the parameters' dtype). The batch is one sequence per batch group:
 `data * fsdp * expert` sequences of `seq_len` tokens, each split over `context`.
 
@@ -83,9 +83,10 @@ PARTS = ("step", "grad", "update")
 _REMAT = flags.DEFINE_enum("remat", "full", list(config_lib._REMAT),
                            "ModelConfig.remat: the decoder layer's remat policy; offload_* move "
                            "the marked activations to host memory (nn/decoder.py)")
-_MUON = flags.DEFINE_enum("muon_distribution", "replicated", list(optim.DISTRIBUTIONS),
-                          "config.muon_distribution: Newton–Schulz on the sharded matrices "
-                          "(replicated) or on owner devices (owner, optim/muon_owner.py)")
+_MUON = flags.DEFINE_enum("muon_distribution", "owner", list(optim.DISTRIBUTIONS),
+                          "config.muon_distribution (the loop's default: owner): Newton–Schulz "
+                          "on owner devices (optim/muon_owner.py) or on the sharded matrices "
+                          "as they are (replicated; the rows compiled before 2026-12-05)")
 _PART = flags.DEFINE_enum("part", "step", list(PARTS),
                           "what to compile: the train step, or (to split its memory) only the "
                           "loss gradient, or only the optimizer update")

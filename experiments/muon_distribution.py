@@ -104,8 +104,8 @@ def table(rows) -> str:
   lines = [head, "-" * len(head)]
   for r in rows:
     mesh = ",".join(f"{a}={n}" for a, n in r["mesh"].items())
-    cells = "".join(f"{r['collectives'][k]['count']:>8} x {r['collectives'][k]['bytes'] / 2**10:>8.1f} KiB"
-                    for k in kinds)
+    cells = "".join(f"{r['collectives'][k]['count']:>8} x "
+                    f"{r['collectives'][k]['bytes'] / 2**10:>8.1f} KiB" for k in kinds)
     lines.append(f"{mesh:<24}{r['part']:<8}{r['distribution']:<13}{cells}"
                  f"{r['temp_bytes'] / 2**20:>10.2f}{r['owner_vs_replicated']:>16.1e}"
                  f"{r['owner_vs_1_device']:>13.1e}")

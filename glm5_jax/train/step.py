@@ -133,10 +133,11 @@ def _adamw(c, sched, frozen, shardings):
        "frozen": optax.set_to_zero()}, labels)
 
 
-# config.optimizer -> its builder (c, schedule, frozen mask, parameter shardings). The two Muon rows are the Muon
-# Split ablation's (docs/muon_split_ablation.md): per-head Newton–Schulz on W^UQ/W^UK/W^UV
-# with the scale of one head's block (GLM-5), or whole-matrix Muon on them with the whole
-# matrix's scale; the other hidden matrices take Muon and the rest AdamW in both.
+# config.optimizer -> its builder (c, schedule, frozen mask, parameter shardings). The two
+# Muon rows are the Muon Split ablation's (docs/muon_split_ablation.md): per-head
+# Newton–Schulz on W^UQ/W^UK/W^UV with the scale of one head's block (GLM-5), or
+# whole-matrix Muon on them with the whole matrix's scale; the other hidden matrices take
+# Muon and the rest AdamW in both.
 OPTIMIZERS = {
     "muon_split": functools.partial(_muon, split_heads=True, rms_shape="per_head"),
     "muon": functools.partial(_muon, split_heads=False, rms_shape="full"),
