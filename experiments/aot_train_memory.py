@@ -14,8 +14,9 @@ shardings of the train state from `sharding.param_shardings` (rules of `--rules`
 update, to split the step's memory. The model is the `glm5` preset (78 layers, scanned),
 bfloat16 activations, `--remat` (default "full"), `attention_impl="xla"` (context
 parallelism needs it), parameters in `--param_dtype` (float32 master weights by default; Muon momentum and Adam
-moments follow the parameters' dtype). The batch is one sequence per batch group:
-`data * fsdp * expert` sequences of `seq_len` tokens, each split over `context`.
+moments follow the parameters' dtype). The batch is one sequence per batch group
+(`--microbatches` per group, accumulated): `data * fsdp * expert` sequences of `seq_len`
+tokens, each split over `context`.
 
 `jax.experimental.topologies.get_topology_desc` describes the slice, `.compile()` runs XLA:TPU
 (nothing executes). From `compiled.memory_analysis()`, per device: arguments (params +
@@ -87,6 +88,9 @@ _MUON = flags.DEFINE_enum("muon_distribution", "owner", list(optim.DISTRIBUTIONS
                           "config.muon_distribution (the loop's default: owner): Newton–Schulz "
                           "on owner devices (optim/muon_owner.py) or on the sharded matrices "
                           "as they are (replicated; the rows compiled before 2026-12-05)")
+_MICRO = flags.DEFINE_integer("microbatches", 1,
+                              "config.microbatches: gradient accumulation; the step's batch is "
+                              "this many sequences per batch group")
 _PART = flags.DEFINE_enum("part", "step", list(PARTS),
                           "what to compile: the train step, or (to split its memory) only the "
                           "loss gradient, or only the optimizer update")
@@ -176,14 +180,15 @@ def _oom(msg: str) -> dict:
 def compile_one(topology, devices, mesh_sizes, stage, seq_len, num_layers, param_dtype,
                 rule_name, dispatch, hbm, *, part="step", do_compile=True,
                 capacity_factor: float = 0.0, dense_form: str = "expanded",
-                remat: str = "full", muon_distribution: str = "replicated"):
+                remat: str = "full", muon_distribution: str = "replicated",
+                microbatches: int = 1):
   """Compiles one train step; returns a result row.
 
   `state_bytes` (params + optimizer state + batch per device) comes from the shardings,
   before compiling; the rest from `memory_analysis()`, or from the out-of-memory error.
   """
   mesh = shd.make_mesh(mesh_sizes, devices)
-  batch = shd.batch_axis_size(mesh)
+  batch = shd.batch_axis_size(mesh) * microbatches
   n_ctx = mesh.shape["context"]
   if n_ctx > 1 and seq_len % (2 * n_ctx):
     raise ValueError(f"--seq_lens entry {seq_len} is not divisible by 2 * context = {2 * n_ctx}")
@@ -191,6 +196,7 @@ def compile_one(topology, devices, mesh_sizes, stage, seq_len, num_layers, param
              part=part, rules=rule_name, expert_dispatch=dispatch,
              moe_capacity_factor=capacity_factor, stage=stage, seq_len=seq_len,
              global_batch=batch, tokens_per_device=batch * seq_len // mesh.size,
+             microbatches=microbatches,
              num_layers=num_layers, param_dtype=param_dtype, hbm_bytes=hbm * GIB,
              dense_attention_form=dense_form, remat=remat,
              muon_distribution=muon_distribution)
@@ -198,6 +204,7 @@ def compile_one(topology, devices, mesh_sizes, stage, seq_len, num_layers, param
                      remat)
   c = train_config(stage, seq_len, batch, mesh_sizes)
   c.muon_distribution = muon_distribution
+  c.microbatches = microbatches
   tx = step_lib.make_optimizer(c, param_shardings(cfg, mesh, rules(rule_name))[1])
   # Outside the mesh context, as in the loop: GLM5.init traces the model on [1, 8] tokens,
   # which expert parallelism's shard_map cannot split over the batch axes.
@@ -245,7 +252,8 @@ def part_fn(part, cfg, stage, tx, c, state_sh, batch_sh):
   """
   if part == "step":
     return jax.jit(functools.partial(step_lib.train_step, cfg=cfg, stage=stage, tx=tx,
-                                     loss_chunk=c.loss_chunk, bias_rate=c.bias_update_rate),
+                                     loss_chunk=c.loss_chunk, bias_rate=c.bias_update_rate,
+                                     microbatches=c.microbatches),
                    in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None),
                    donate_argnums=(0,))
   if part == "grad":
@@ -362,7 +370,7 @@ def main(argv):
                         _RULES.value, _DISPATCH.value, hbm, part=_PART.value,
                         do_compile=_COMPILE.value, capacity_factor=_CAPACITY.value,
                         dense_form=_DENSE_FORM.value, remat=_REMAT.value,
-                        muon_distribution=_MUON.value)
+                        muon_distribution=_MUON.value, microbatches=_MICRO.value)
         rows.append(r)
         done = {True: "ok", None: "not compiled", False: f"FAILED {r.get('error', '')[:300]}"}
         print(f"  {sizes} {stage} t={t}: {done[r['ok']]} ({r['compile_seconds']:.0f} s); "
