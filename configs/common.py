@@ -20,6 +20,11 @@ def add_runtime(c: ml_collections.ConfigDict, *, num_devices: int = 0,
   c.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "context": 1, "expert": 1,
                                       "tensor": 1})
   c.mesh_rules = ml_collections.FieldReference(None, field_type=list)
+  # Where Muon's Newton–Schulz runs under the mesh (glm5_jax/optim/muon_owner.py): "owner",
+  # each matrix whole on one device, reached by one all-to-all per shape bucket; or
+  # "replicated", on the sharded matrices as they are (all-reduces per NS step). Same
+  # optimizer state: a run may switch at a resume.
+  c.muon_distribution = "owner"
   c.distributed = ml_collections.ConfigDict({
       "coordinator_address": "", "num_processes": 0, "process_id": -1, "cpu_collectives": False})
   # A workdir remembers the fields that define its run (glm5_jax/train/workdir.py); True

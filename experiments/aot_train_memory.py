@@ -8,14 +8,15 @@ r"""Per-device memory of one GLM-5 train step, compiled for a described TPU slic
 What is compiled (`--part=step`) is `train.step.train_step` as `train.loop.run` jits it:
 value_and_grad of the stage's loss (LM + MTP, or the indexer KL), gradient clipping, Muon
 Split over the whole parameter tree with the stage's frozen mask (midtrain: the indexer is
-frozen and holds no state), the routing-bias update; in/out shardings of the train state
-from `sharding.param_shardings` (rules of `--rules`) and `optim.state_shardings`, the state
-donated. `--part=grad` / `--part=update` compile only the loss gradient / only the optimizer
+frozen and holds no state) and `--muon_distribution`, the routing-bias update; in/out
+shardings of the train state from `sharding.param_shardings` (rules of `--rules`) and
+`optim.state_shardings`, the state donated. `--part=grad` / `--part=update` compile only the loss gradient / only the optimizer
 update, to split the step's memory. The model is the `glm5` preset (78 layers, scanned),
-bfloat16 activations, `remat="full"`, `attention_impl="xla"` (context parallelism needs it),
-parameters in `--param_dtype` (float32 master weights by default; Muon momentum and Adam
-moments follow the parameters' dtype). The batch is one sequence per batch group:
-`data * fsdp * expert` sequences of `seq_len` tokens, each split over `context`.
+bfloat16 activations, `--remat` (default "full"), `attention_impl="xla"` (context
+parallelism needs it), parameters in `--param_dtype` (float32 master weights by default; Muon momentum and Adam
+moments follow the parameters' dtype). The batch is one sequence per batch group
+(`--microbatches` per group, accumulated): `data * fsdp * expert` sequences of `seq_len`
+tokens, each split over `context`.
 
 `jax.experimental.topologies.get_topology_desc` describes the slice, `.compile()` runs XLA:TPU
 (nothing executes). From `compiled.memory_analysis()`, per device: arguments (params +
@@ -45,6 +46,7 @@ import numpy as np
 import optax
 
 from configs import pretrain as pretrain_config
+from glm5_jax import collectives
 from glm5_jax import config as config_lib
 from glm5_jax import nn as gnn
 from glm5_jax import optim
@@ -79,6 +81,16 @@ _CAPACITY = flags.DEFINE_float(
     "moe_capacity_factor", 0.0, "ModelConfig.moe_capacity_factor: 0 = dropless all-to-all "
     "buffers sized for the worst case; c > 0 bounds them to ceil(c n K / ep) rows per shard pair")
 PARTS = ("step", "grad", "update")
+_REMAT = flags.DEFINE_enum("remat", "full", list(config_lib._REMAT),
+                           "ModelConfig.remat: the decoder layer's remat policy; offload_* move "
+                           "the marked activations to host memory (nn/decoder.py)")
+_MUON = flags.DEFINE_enum("muon_distribution", "owner", list(optim.DISTRIBUTIONS),
+                          "config.muon_distribution (the loop's default: owner): Newton–Schulz "
+                          "on owner devices (optim/muon_owner.py) or on the sharded matrices "
+                          "as they are (replicated; the rows compiled before 2026-12-05)")
+_MICRO = flags.DEFINE_integer("microbatches", 1,
+                              "config.microbatches: gradient accumulation; the step's batch is "
+                              "this many sequences per batch group")
 _PART = flags.DEFINE_enum("part", "step", list(PARTS),
                           "what to compile: the train step, or (to split its memory) only the "
                           "loss gradient, or only the optimizer update")
@@ -121,18 +133,25 @@ def train_config(stage: str, seq_len: int, batch: int, mesh_sizes: dict[str, int
 
 
 def model_config(stage: str, num_layers: int, param_dtype: str, dispatch: str,
-                 capacity_factor: float = 0.0, dense_form: str = "expanded"):
-  over = dict(dtype="bfloat16", param_dtype=param_dtype, remat="full", attention_impl="xla",
+                 capacity_factor: float = 0.0, dense_form: str = "expanded",
+                 remat: str = "full"):
+  over = dict(dtype="bfloat16", param_dtype=param_dtype, remat=remat, attention_impl="xla",
               num_hidden_layers=num_layers, expert_dispatch=dispatch,
               moe_capacity_factor=capacity_factor, dense_attention_form=dense_form)
   return step_lib.stage_model_config(config_lib.get_preset("glm5", **over), stage)
 
 
-def abstract_state(cfg, tx, mesh, rule_set):
-  """TrainState of ShapeDtypeStructs in the loop's shardings (nothing is allocated)."""
+def param_shardings(cfg, mesh, rule_set):
+  """(parameter ShapeDtypeStructs, their shardings), checked against the mesh."""
   shapes, specs = gnn.abstract_params(cfg)
   p_sh = shd.param_shardings(specs, mesh, rule_set)
   shd.check_divisible(shapes, p_sh, mesh)
+  return shapes, p_sh
+
+
+def abstract_state(cfg, tx, mesh, rule_set):
+  """TrainState of ShapeDtypeStructs in the loop's shardings (nothing is allocated)."""
+  shapes, p_sh = param_shardings(cfg, mesh, rule_set)
   with_sh = lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh)
   params = jax.tree.map(with_sh, shapes, p_sh)
   rep = shd.replicated(mesh)
@@ -160,14 +179,16 @@ def _oom(msg: str) -> dict:
 
 def compile_one(topology, devices, mesh_sizes, stage, seq_len, num_layers, param_dtype,
                 rule_name, dispatch, hbm, *, part="step", do_compile=True,
-                capacity_factor: float = 0.0, dense_form: str = "expanded"):
+                capacity_factor: float = 0.0, dense_form: str = "expanded",
+                remat: str = "full", muon_distribution: str = "replicated",
+                microbatches: int = 1):
   """Compiles one train step; returns a result row.
 
   `state_bytes` (params + optimizer state + batch per device) comes from the shardings,
   before compiling; the rest from `memory_analysis()`, or from the out-of-memory error.
   """
   mesh = shd.make_mesh(mesh_sizes, devices)
-  batch = shd.batch_axis_size(mesh)
+  batch = shd.batch_axis_size(mesh) * microbatches
   n_ctx = mesh.shape["context"]
   if n_ctx > 1 and seq_len % (2 * n_ctx):
     raise ValueError(f"--seq_lens entry {seq_len} is not divisible by 2 * context = {2 * n_ctx}")
@@ -175,11 +196,16 @@ def compile_one(topology, devices, mesh_sizes, stage, seq_len, num_layers, param
              part=part, rules=rule_name, expert_dispatch=dispatch,
              moe_capacity_factor=capacity_factor, stage=stage, seq_len=seq_len,
              global_batch=batch, tokens_per_device=batch * seq_len // mesh.size,
+             microbatches=microbatches,
              num_layers=num_layers, param_dtype=param_dtype, hbm_bytes=hbm * GIB,
-             dense_attention_form=dense_form)
-  cfg = model_config(stage, num_layers, param_dtype, dispatch, capacity_factor, dense_form)
+             dense_attention_form=dense_form, remat=remat,
+             muon_distribution=muon_distribution)
+  cfg = model_config(stage, num_layers, param_dtype, dispatch, capacity_factor, dense_form,
+                     remat)
   c = train_config(stage, seq_len, batch, mesh_sizes)
-  tx = step_lib.make_optimizer(c)
+  c.muon_distribution = muon_distribution
+  c.microbatches = microbatches
+  tx = step_lib.make_optimizer(c, param_shardings(cfg, mesh, rules(rule_name))[1])
   # Outside the mesh context, as in the loop: GLM5.init traces the model on [1, 8] tokens,
   # which expert parallelism's shard_map cannot split over the batch axes.
   state = abstract_state(cfg, tx, mesh, rules(rule_name))
@@ -204,13 +230,16 @@ def compile_one(topology, devices, mesh_sizes, stage, seq_len, num_layers, param
     row.update(ok=False, compile_seconds=time.perf_counter() - start,
                error=f"{type(e).__name__}: " + " | ".join(msg.splitlines()[:3])[:600], **_oom(msg))
     return row
-  mem = compiled.memory_analysis()
+  mem, hlo = compiled.memory_analysis(), compiled.as_text()
   total = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
            + mem.temp_size_in_bytes)
   row.update(ok=True, compile_seconds=time.perf_counter() - start,
              argument_bytes=mem.argument_size_in_bytes, output_bytes=mem.output_size_in_bytes,
              alias_bytes=mem.alias_size_in_bytes, temp_bytes=mem.temp_size_in_bytes,
-             peak_bytes=getattr(mem, "peak_memory_in_bytes", None), total_bytes=total)
+             peak_bytes=getattr(mem, "peak_memory_in_bytes", None), total_bytes=total,
+             host_temp_bytes=mem.host_temp_size_in_bytes,
+             collectives=collectives.collective_stats(hlo),
+             host_copies=len(re.findall(r"\bS\(5\)", hlo)))   # buffers in host memory space
   return row
 
 
@@ -223,7 +252,8 @@ def part_fn(part, cfg, stage, tx, c, state_sh, batch_sh):
   """
   if part == "step":
     return jax.jit(functools.partial(step_lib.train_step, cfg=cfg, stage=stage, tx=tx,
-                                     loss_chunk=c.loss_chunk, bias_rate=c.bias_update_rate),
+                                     loss_chunk=c.loss_chunk, bias_rate=c.bias_update_rate,
+                                     microbatches=c.microbatches),
                    in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None),
                    donate_argnums=(0,))
   if part == "grad":
@@ -262,6 +292,8 @@ def table(rows) -> str:
     mesh += {"default": "", "embed_over_context": "*", "lora_over_fsdp": "**"}[r["rules"]]
     stage = r["stage"] if r.get("part", "step") == "step" else f"{r['stage'][:5]}:{r['part']}"
     stage += "+abs" if r.get("dense_attention_form") == "absorbed" else ""
+    stage += {"offload_inputs": "+oi", "offload_inputs_attention": "+oia"}.get(r.get("remat"), "")
+    stage += "+own" if r.get("muon_distribution") == "owner" else ""
     lead = (f"{r['topology']:<11}{mesh:<19}{stage:<11}{r['seq_len']:>7}{r['num_layers']:>4}"
             f"{'f32' if r['param_dtype'] == 'float32' else 'bf16':>7}"
             f"{r.get('moe_capacity_factor') or '-':>5}{r['compile_seconds']:>10.0f}")
@@ -283,6 +315,8 @@ def table(rows) -> str:
                    f"{hbm}  NO (compile OOM)")
     else:
       lines.append(lead + f"{gib(r['state_bytes']):>10}  FAILED {r['error'][:140]}")
+  lines.append("stage: +abs absorbed dense attention, +oi / +oia remat offload_inputs / "
+               "offload_inputs_attention, +own muon_distribution=owner.")
   lines.append("mesh: d data, f fsdp, c context, e expert, t tensor; * rules=embed_over_context "
                "(parameters' embed dim over fsdp x context), ** rules=lora_over_fsdp (embed, "
                "q_lora, kv_lora over fsdp x context). args: compiled arguments, or "
@@ -322,9 +356,10 @@ def main(argv):
   layers = _NUM_LAYERS.value or config_lib.get_preset("glm5").num_hidden_layers
   settings = dict(topology=_TOPOLOGY.value, device_kind=kind, hbm_gib=hbm, jax=jax.__version__,
                   preset="glm5", num_layers=layers, param_dtype=_PARAM_DTYPE.value,
-                  dtype="bfloat16", remat="full", attention_impl="xla", rules=_RULES.value,
+                  dtype="bfloat16", attention_impl="xla", rules=_RULES.value,
                   expert_dispatch=_DISPATCH.value, moe_capacity_factor=_CAPACITY.value,
-                  part=_PART.value, dense_attention_form=_DENSE_FORM.value)
+                  part=_PART.value, dense_attention_form=_DENSE_FORM.value,
+                  remat=_REMAT.value, muon_distribution=_MUON.value)
   print(f"target: {len(devices)} x {kind}, {hbm:g} GiB HBM each; compiled on "
         f"{jax.devices()[0].device_kind}; {settings}")
   rows = []
@@ -334,7 +369,8 @@ def main(argv):
         r = compile_one(_TOPOLOGY.value, devices, sizes, stage, t, layers, _PARAM_DTYPE.value,
                         _RULES.value, _DISPATCH.value, hbm, part=_PART.value,
                         do_compile=_COMPILE.value, capacity_factor=_CAPACITY.value,
-                        dense_form=_DENSE_FORM.value)
+                        dense_form=_DENSE_FORM.value, remat=_REMAT.value,
+                        muon_distribution=_MUON.value, microbatches=_MICRO.value)
         rows.append(r)
         done = {True: "ok", None: "not compiled", False: f"FAILED {r.get('error', '')[:300]}"}
         print(f"  {sizes} {stage} t={t}: {done[r['ok']]} ({r['compile_seconds']:.0f} s); "
@@ -343,7 +379,11 @@ def main(argv):
         if r["ok"]:
           print(f"    args {r['argument_bytes'] / GIB:.2f}, temp {r['temp_bytes'] / GIB:.2f}, "
                 f"out {r['output_bytes'] / GIB:.2f}, alias {r['alias_bytes'] / GIB:.2f}, total "
-                f"{r['total_bytes'] / GIB:.2f} GiB", flush=True)
+                f"{r['total_bytes'] / GIB:.2f} GiB; host temp {r['host_temp_bytes'] / GIB:.2f} "
+                f"GiB, {r['host_copies']} host-memory shapes in the HLO", flush=True)
+          print("    collectives per device: " + ", ".join(
+              f"{k} {v['count']} x, {v['bytes'] / GIB:.3f} GiB"
+              for k, v in r["collectives"].items() if v["count"]), flush=True)
   print(table(rows))
   if _OUT.value:
     with open(_OUT.value, "w") as f:

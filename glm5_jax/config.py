@@ -20,7 +20,7 @@ _DTYPES = ("float32", "bfloat16", "float16", "float64")
 _ATTENTION_IMPLS = ("xla", "pallas")
 _ATTENTION_TYPES = ("sparse", "dense")
 _DENSE_ATTENTION_FORMS = ("expanded", "absorbed")
-_REMAT = ("none", "full", "save_dots")
+_REMAT = ("none", "full", "save_dots", "offload_inputs", "offload_inputs_attention")
 _EXPERT_DISPATCH = ("all_to_all", "gspmd")
 _INDEXER_TYPES = ("full", "shared")
 
@@ -85,7 +85,8 @@ class ModelConfig:
                                           # long context, nn/mla.py mla_dense_attention)
   dtype: str = "float32"                  # activation / compute dtype
   param_dtype: str = "float32"            # master weights
-  remat: str = "none"                     # "none" | "full" | "save_dots"
+  remat: str = "none"                     # "none" | "full" | "save_dots" | "offload_inputs"
+                                          # | "offload_inputs_attention" (nn/decoder.py)
   expert_dispatch: str = "all_to_all"     # with a mesh whose `expert` axis > 1 (nn/moe_ep.py);
                                           # "gspmd" leaves the dispatch to the partitioner
   moe_capacity_factor: float = 0.0        # all_to_all: 0 = dropless; c > 0 = at most

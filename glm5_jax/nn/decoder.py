@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax
+from jax.ad_checkpoint import checkpoint_name
 
 from glm5_jax.nn import ffn
 from glm5_jax.nn import mla as mla_lib
@@ -30,12 +31,12 @@ class DecoderLayer(nn.Module):
   def __call__(self, h_btd, cos, sin, prev_indices=None, doc_start=None,
                with_indexer_loss=False, order=None, cache=None, cache_index=None, replay=None):
     cfg = self.cfg
-    h_btd = nn.with_logical_constraint(h_btd, _ACT)
+    h_btd = checkpoint_name(nn.with_logical_constraint(h_btd, _ACT), "decoder_layer_input")
     x = norms.RMSNorm(cfg.rms_norm_eps, param_dtype=cfg.param_dtype, name="input_norm")(h_btd)
     attn, indices, kl, cache = mla_lib.MLA(cfg, self.has_indexer, name="attn")(
         x, cos, sin, prev_indices=prev_indices, doc_start=doc_start,
         with_indexer_loss=with_indexer_loss, order=order, cache=cache, cache_index=cache_index)
-    h_btd = h_btd + attn.astype(h_btd.dtype)
+    h_btd = h_btd + checkpoint_name(attn, "attention_out").astype(h_btd.dtype)
     x = norms.RMSNorm(cfg.rms_norm_eps, param_dtype=cfg.param_dtype,
                       name="post_attention_norm")(h_btd)
     if self.moe:
@@ -46,10 +47,28 @@ class DecoderLayer(nn.Module):
     return nn.with_logical_constraint(h_btd, _ACT), indices, kl, load, cache, ids
 
 
+def _offload(*names):
+  """Keep nothing on the device; move the values marked `names` to host memory in the
+  forward and back before the backward (GLM-5 paper §2, activation offloading; MaxText's
+  offloaded remat policies)."""
+  return jax.checkpoint_policies.save_and_offload_only_these_names(
+      names_which_can_be_saved=[], names_which_can_be_offloaded=list(names),
+      offload_src="device", offload_dst="pinned_host")
+
+
+# config.remat -> the jax.checkpoint policy of one decoder layer ("none": no remat; a policy
+# of None saves nothing and recomputes the layer in the backward). The layer marks its
+# input "decoder_layer_input" and its attention output "attention_out" (`checkpoint_name`).
+REMAT_POLICIES = {
+    "full": lambda: None,
+    "save_dots": lambda: jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    "offload_inputs": lambda: _offload("decoder_layer_input"),
+    "offload_inputs_attention": lambda: _offload("decoder_layer_input", "attention_out"),
+}
+
+
 def remat_layer(cfg):
-  """DecoderLayer wrapped by the remat policy `cfg.remat`."""
+  """DecoderLayer wrapped by the remat policy `cfg.remat` (`REMAT_POLICIES`)."""
   if cfg.remat == "none":
     return DecoderLayer
-  policy = (None if cfg.remat == "full"
-            else jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims)
-  return nn.remat(DecoderLayer, policy=policy, static_argnums=(6,))
+  return nn.remat(DecoderLayer, policy=REMAT_POLICIES[cfg.remat](), static_argnums=(6,))

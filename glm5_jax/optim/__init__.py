@@ -8,6 +8,7 @@
   state = optim.reset(tx, state, params)
 """
 
+from glm5_jax.optim.muon_split import DISTRIBUTIONS
 from glm5_jax.optim.muon_split import group_norms
 from glm5_jax.optim.muon_split import muon_split
 from glm5_jax.optim.muon_split import reset
@@ -20,6 +21,6 @@ from glm5_jax.optim.param_groups import param_groups
 from glm5_jax.optim.param_groups import path_mask
 
 __all__ = [
-    "GROUPS", "group_norms", "muon_dim_numbers", "muon_split", "param_groups", "path_mask",
-    "reset", "scale_by_shape", "state_shardings", "update_metrics",
+    "DISTRIBUTIONS", "GROUPS", "group_norms", "muon_dim_numbers", "muon_split", "param_groups",
+    "path_mask", "reset", "scale_by_shape", "state_shardings", "update_metrics",
 ]

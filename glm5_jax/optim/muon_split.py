@@ -48,8 +48,12 @@ axis, per-head Newton–Schulz is shard-local: the compiled update of a head-sha
 no collective (checked in tests/test_optim_muon_split.py), and neither does per-expert NS on
 expert-sharded experts. Whole-matrix NS on the same weights all-reduces X·Xᵀ over the head axis
 at every NS step (6 all-reduces: 5 steps + the Frobenius norm), as does any NS whose fan-in is
-sharded (e.g. FSDP on `q_lora`). Use GSPMD ("Auto") mesh axes: under Explicit axes, optax's
-reshape of a sharded `wo [h, v, d]` into one matrix needs an out_sharding it does not give.
+sharded (e.g. FSDP on `q_lora`): that is `distribution="replicated"`. With
+`distribution="owner"` and the parameters' shardings, such blocks are instead dealt to owner
+devices by one all-to-all per shape bucket, orthogonalized whole there and sent back
+(`muon_owner.py`; docs/muon_distributed.md); shard-local blocks stay where they are. Use GSPMD
+("Auto") mesh axes: under Explicit axes, optax's reshape of a sharded `wo [h, v, d]` into one
+matrix needs an out_sharding it does not give.
 """
 
 from __future__ import annotations
@@ -65,9 +69,11 @@ from optax.contrib import MuonState
 # The Newton–Schulz iteration itself is optax's (not re-exported from optax.contrib).
 from optax.contrib._muon import orthogonalize_via_newton_schulz
 
+from glm5_jax.optim import muon_owner
 from glm5_jax.optim import param_groups as pg
 
 _RMS_SHAPES = ("per_head", "full")
+DISTRIBUTIONS = ("replicated", "owner")
 _NS_COEFFS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic; optax's default
 
 Mask = Any  # a pytree of bools (or a prefix of params), or a callable params -> such a tree
@@ -88,11 +94,14 @@ def _scale(shape: tuple[int, ...], dims: MDN, consistent_rms: float | None) -> f
 
 
 def scale_by_muon(*, ns_coeffs, ns_steps: int, beta: float, eps: float, mu_dtype: Any,
-                  nesterov: bool, dims_fn: Callable[[Any], Any]) -> optax.GradientTransformation:
+                  nesterov: bool, dims_fn: Callable[[Any], Any],
+                  shardings: dict[str, Any] | None = None) -> optax.GradientTransformation:
   """optax.contrib.scale_by_muon (same state, same update) with per-layer Newton–Schulz.
 
   `dims_fn(updates)` gives each leaf's `pg.Rule`; its `dims` (with the stack axes) are what
-  optax would get, its `stacked` leading axes are walked with `lax.map`.
+  optax would get, its `stacked` leading axes are walked with `lax.map`. `shardings`
+  ('/'-joined leaf path -> the parameter's sharding): owner-computes Newton–Schulz
+  (`muon_owner.py`) on the leaves whose blocks are sharded; None: replicated (GSPMD).
   """
   coeffs = jnp.asarray(ns_coeffs)
 
@@ -117,11 +126,19 @@ def scale_by_muon(*, ns_coeffs, ns_steps: int, beta: float, eps: float, mu_dtype
                             optax.tree.bias_correction(updates, beta, count))
     else:
       mu_hat = optax.tree.bias_correction(mu, beta, count)
-    rules = dims_fn(mu_hat)
     is_rule = lambda r: isinstance(r, pg.Rule)
-    leaves, treedef = jax.tree.flatten(mu_hat)
-    out = [orthogonalize(x, r.dims, r.stacked)
-           for x, r in zip(leaves, jax.tree.leaves(rules, is_leaf=is_rule))]
+    rules = jax.tree.leaves(dims_fn(mu_hat), is_leaf=is_rule)
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(mu_hat)
+    leaves = [x for _, x in with_path]
+    local = lambda i: orthogonalize(leaves[i], rules[i].dims, rules[i].stacked)
+    if shardings is None:
+      out = [local(i) for i in range(len(leaves))]
+    else:
+      ns_2d = lambda x: orthogonalize_via_newton_schulz(x, coeffs.astype(x.dtype), ns_steps,
+                                                        "frobenius", eps)
+      out = muon_owner.orthogonalize(
+          leaves, [r.dims for r in rules], [shardings.get(pg.path_str(p)) for p, _ in with_path],
+          [r.stacked for r in rules], ns_2d, local)
     return (jax.tree.unflatten(treedef, out),
             MuonState(count=count, mu=optax.tree.cast(mu, mu_dtype), ns_coeffs=state.ns_coeffs))
   return optax.GradientTransformation(init_fn, update_fn)
@@ -184,6 +201,8 @@ def muon_split(
     eps: float = 1e-8,
     frozen: Mask | None = None,
     mu_dtype: Any = None,
+    distribution: str = "replicated",
+    param_shardings: Any = None,
 ) -> optax.GradientTransformation:
   """The GLM-5 optimizer: Muon Split + Muon + AdamW over one GLM-5 parameter tree.
 
@@ -204,6 +223,13 @@ def muon_split(
     frozen: True on leaves that must not change (no update, no weight decay, no state): a bool
       tree, a prefix of params, or a callable params -> bool tree (see `path_mask`).
     mu_dtype: dtype of the momentum buffers (None = the params' dtype).
+    distribution: where Newton–Schulz runs under a mesh. "replicated": on the sharded leaves
+      as they are (GSPMD: every device of a block works on it, all-reducing Gram products);
+      "owner": each block is orthogonalized whole by one owner device, reached and left by
+      one all-to-all per shape bucket (`muon_owner.py`). Same state, same update up to float
+      rounding; a run may switch between them at a resume.
+    param_shardings: the parameters' shardings (a tree like params), which "owner" needs;
+      without them (or on one device) every block is local and "owner" is "replicated".
 
   Returns:
     An optax GradientTransformation; `update` needs `params` (weight decay).
@@ -216,13 +242,21 @@ def muon_split(
   _check("ns_steps", ns_steps, isinstance(ns_steps, int) and ns_steps >= 1, "an int >= 1")
   _check("adam_b1", adam_b1, 0 <= adam_b1 < 1, "a float in [0, 1)")
   _check("adam_b2", adam_b2, 0 <= adam_b2 < 1, "a float in [0, 1)")
+  _check("distribution", distribution, distribution in DISTRIBUTIONS,
+         f"one of {DISTRIBUTIONS}")
   if adam_learning_rate is None:
     adam_learning_rate = learning_rate
+  shardings = None
+  if distribution == "owner" and param_shardings is not None:
+    is_sh = lambda x: isinstance(x, jax.sharding.Sharding)
+    shardings = {pg.path_str(p): sh for p, sh in
+                 jax.tree_util.tree_flatten_with_path(param_shardings, is_leaf=is_sh)[0]}
 
   def muon_chain(ns_dims: str, scale_dims: str) -> optax.GradientTransformation:
     return optax.chain(
         scale_by_muon(ns_coeffs=ns_coeffs, ns_steps=ns_steps, beta=beta, eps=eps,
-                      mu_dtype=mu_dtype, nesterov=nesterov, dims_fn=_rules_fn(ns_dims)),
+                      mu_dtype=mu_dtype, nesterov=nesterov, dims_fn=_rules_fn(ns_dims),
+                      shardings=shardings),
         scale_by_shape(_dims_fn(scale_dims), consistent_rms),
         optax.add_decayed_weights(weight_decay),
         optax.scale_by_learning_rate(learning_rate),

@@ -317,7 +317,7 @@ def _run(c, workdir: str, source: Source, preempt) -> dict:
   step_lib.check_qat(c, shapes)
   source.setup(cfg, mesh, param_sh)
   ckpt_lib.check_model_config(workdir, cfg)
-  tx = step_lib.make_optimizer(c)
+  tx = step_lib.make_optimizer(c, param_sh)
   stage = c.stage
   mngr = ckpt_lib.manager(workdir, keep=c.keep_checkpoints, async_save=c.async_checkpoints,
                           items=source.items, solo=source.solo)

@@ -115,15 +115,17 @@ def make_schedule(c, peak: float | None = None) -> optax.Schedule:
       decay_steps=max(c.total_steps, c.warmup_steps + 1), end_value=peak * c.final_lr_fraction)
 
 
-def _muon(c, sched, frozen, **how):
+def _muon(c, sched, frozen, shardings, **how):
   adam = make_schedule(c, c.adam_learning_rate) if c.adam_learning_rate else None
   return optim.muon_split(learning_rate=sched, adam_learning_rate=adam,
-                          weight_decay=c.weight_decay, frozen=frozen, **how)
+                          weight_decay=c.weight_decay, frozen=frozen,
+                          distribution=muon_distribution(c), param_shardings=shardings, **how)
 
 
-def _adamw(c, sched, frozen):
+def _adamw(c, sched, frozen, shardings):
   """AdamW on every trained leaf, decoupled weight decay on matrices only (as Muon Split's
   AdamW group); frozen and fixed leaves get zero updates."""
+  del shardings                                 # elementwise: nothing to distribute
   def labels(p):
     fr = frozen(p) if frozen else _false(p)
     return jax.tree.map(lambda a, b: "frozen" if (a or b) else "train", _fixed(p), fr)
@@ -133,10 +135,11 @@ def _adamw(c, sched, frozen):
        "frozen": optax.set_to_zero()}, labels)
 
 
-# config.optimizer -> its builder (c, schedule, frozen mask). The two Muon rows are the Muon
-# Split ablation's (docs/muon_split_ablation.md): per-head Newton–Schulz on W^UQ/W^UK/W^UV
-# with the scale of one head's block (GLM-5), or whole-matrix Muon on them with the whole
-# matrix's scale; the other hidden matrices take Muon and the rest AdamW in both.
+# config.optimizer -> its builder (c, schedule, frozen mask, parameter shardings). The two
+# Muon rows are the Muon Split ablation's (docs/muon_split_ablation.md): per-head
+# Newton–Schulz on W^UQ/W^UK/W^UV with the scale of one head's block (GLM-5), or
+# whole-matrix Muon on them with the whole matrix's scale; the other hidden matrices take
+# Muon and the rest AdamW in both.
 OPTIMIZERS = {
     "muon_split": functools.partial(_muon, split_heads=True, rms_shape="per_head"),
     "muon": functools.partial(_muon, split_heads=False, rms_shape="full"),
@@ -150,11 +153,27 @@ def check_optimizer(name) -> str:
   return name
 
 
-def make_optimizer(c) -> optax.GradientTransformation:
-  """Gradient clipping, then `OPTIMIZERS[c.optimizer]` with the stage's frozen mask."""
+def muon_distribution(c) -> str:
+  """`config.muon_distribution` (absent: "owner"), checked."""
+  name = c.get("muon_distribution", "owner")
+  if name not in optim.DISTRIBUTIONS:
+    raise ValueError(f"config.muon_distribution={name!r}: expected one of "
+                     f"{optim.DISTRIBUTIONS}")
+  return name
+
+
+def make_optimizer(c, param_shardings=None) -> optax.GradientTransformation:
+  """Gradient clipping, then `OPTIMIZERS[c.optimizer]` with the stage's frozen mask.
+
+  param_shardings: the parameters' shardings under a mesh (a tree like params). With them,
+  `config.muon_distribution="owner"` orthogonalizes each Muon block on one owner device
+  (optim/muon_owner.py); without them, or with "replicated", Newton–Schulz runs on the
+  sharded leaves as they are. The optimizer state is the same either way.
+  """
   build = OPTIMIZERS[check_optimizer(c.optimizer)]
+  muon_distribution(c)
   return optax.chain(optax.clip_by_global_norm(c.grad_clip),
-                     build(c, make_schedule(c), frozen_mask(c.stage)))
+                     build(c, make_schedule(c), frozen_mask(c.stage), param_shardings))
 
 
 def _fixed(p):
