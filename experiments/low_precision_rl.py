@@ -49,6 +49,11 @@ ARMS = {
     "fp8_icepop": ("FP8 rollout, IcePop", {"rollout_weight_dtype": "float8_e4m3fn"}),
     "fp8_icepop_r3": ("FP8 rollout, IcePop, routing replay",
                       {"rollout_weight_dtype": "float8_e4m3fn", "routing_replay": True}),
+    # The DSA top-k with the indexer's weights at the trainer's precision (its inputs still
+    # carry the FP8 gap of the layers before it).
+    "fp8_icepop_indexer32": ("FP8 rollout (indexer float32), IcePop",
+                             {"rollout_weight_dtype": "float8_e4m3fn",
+                              "rollout_indexer_dtype": "float32"}),
 }
 # Per-step metrics averaged over a run's steps (their names in metrics.jsonl).
 STEP_METRICS = ("logp_abs_diff_mean", "logp_abs_diff_max", "icepop_masked_frac",

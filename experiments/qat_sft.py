@@ -11,6 +11,10 @@ problems (greedy, thinking on, as the GRPO stage's evaluation):
   float          the float model, float32 weights
   float -> int4  the same model quantized to INT4 after training (post-training quantization)
   qat -> int4    the QAT model in INT4, the weights its training forward used (bitwise)
+  qat (float)    the QAT model's float32 master weights, for reference
+
+with each one's SFT held-out loss (the stage's validation conversations; INT4 ones through
+the straight-through quantized forward, which is what the INT4 engine computes),
 
 and the engine's weight memory and decode throughput, INT4 against float32, are measured on
 the tiny model (greedy, batch 1 and 16). Writes WORKDIR/qat_sft.md and .json.
@@ -24,6 +28,7 @@ numerics.batch_invariant_cpu()   # before JAX starts: engine and trainer agree b
 numerics.cpu_devices(2)          # as the main job, whose stages these runs repeat
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
+import functools
 import json
 import os
 import time
@@ -31,6 +36,8 @@ import time
 from absl import app
 from absl import flags
 from absl import logging
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from configs import main_job as main_job_config
@@ -44,7 +51,7 @@ from glm5_jax.rl import rollout as rollout_lib
 from glm5_jax.rl import tasks as tasks_lib
 from glm5_jax.train import checkpoint as ckpt_lib
 from glm5_jax.train import loop
-from glm5_jax.train import metrics as metrics_lib
+from glm5_jax.train import step as step_lib
 
 _BASE = flags.DEFINE_string("base", None, "a main job workdir (dsa_sparse, sft_data)",
                             required=True)
@@ -55,10 +62,14 @@ _GROUP = flags.DEFINE_integer("group_size", 32, "INT4 group size")
 _TARGETS = flags.DEFINE_string("targets", "experts", "quantized weights: experts | attention | "
                                "all_linear")
 
-VARIANTS = ("float", "float -> int4", "qat -> int4")
+VARIANTS = ("float", "float -> int4", "qat -> int4", "qat (float)")
+# variant -> (QAT run?, engine weight dtype)
+_SERVED = {"float": (False, "float32"), "float -> int4": (False, "int4"),
+           "qat -> int4": (True, "int4"), "qat (float)": (True, "float32")}
 
 
 def sft(seed: int, qat: bool, workdir: str):
+  """Runs (or finds finished) one SFT; returns (main job config, SFT config)."""
   c = main_job_config.get_config()
   with c.unlocked():
     c.seed = seed
@@ -67,7 +78,20 @@ def sft(seed: int, qat: bool, workdir: str):
     if qat:
       sc.qat.update(bits=4, group_size=_GROUP.value, targets=_TARGETS.value)
   loop.run(sc, workdir)
-  return c
+  return c, sc
+
+
+def heldout_loss(sc, cfg, params, scheme) -> float:
+  """The SFT stage's held-out loss (nats per assistant token) of params, through the
+  quantized forward when `scheme` is given."""
+  fn = jax.jit(functools.partial(step_lib.eval_step, cfg=cfg, stage="sft",
+                                 loss_chunk=sc.loss_chunk, qat=scheme))
+  it = iter(loop.make_dataset(sc, "validation", seed=0, shuffle=False))
+  nll = tok = 0.0
+  for _ in range(sc.eval_batches):
+    out = jax.device_get(fn(params, {k: jnp.asarray(v) for k, v in next(it).items()}))
+    nll, tok = nll + float(out["nll_sum"]), tok + float(out["tokens"])
+  return nll / max(tok, 1.0)
 
 
 def heldout(engine, c) -> dict:
@@ -105,29 +129,30 @@ def _mean_std(xs):
 def main(argv):
   del argv
   seeds = [int(s) for s in _SEEDS.value]
+  scheme = quant.Scheme("int4", _GROUP.value, _TARGETS.value)
   runs = {}
   for seed in seeds:
-    row = {}
+    row = {"accuracy": {}, "loss": {}}
     for qat in (False, True):
       wd = os.path.join(_WORKDIR.value, "qat" if qat else "float", f"seed{seed}")
       logging.info("=== SFT seed %d, %s -> %s", seed, "INT4 QAT" if qat else "float", wd)
-      c = sft(seed, qat, wd)
-      row["qat_eval_loss" if qat else "float_eval_loss"] = (
-          metrics_lib.final_metrics(wd).get("eval_loss"))
+      c, sc = sft(seed, qat, wd)
       cfg, params = ckpt_lib.load_model(wd)
       cfg = cfg.replace(attention_type="sparse")
-      for dtype in (("int4",) if qat else ("float32", "int4")):
-        name = "qat -> int4" if qat else ("float" if dtype == "float32" else "float -> int4")
-        row[name] = heldout(engine_for(cfg, params, c, dtype), c)["accuracy"]
-        logging.info("seed %d %s: held-out accuracy %.3f", seed, name, row[name])
+      for name in (v for v in VARIANTS if _SERVED[v][0] == qat):
+        dtype = _SERVED[name][1]
+        row["accuracy"][name] = heldout(engine_for(cfg, params, c, dtype), c)["accuracy"]
+        row["loss"][name] = heldout_loss(sc, cfg, params,
+                                         scheme if dtype == "int4" else None)
+        logging.info("seed %d %s: held-out accuracy %.3f, loss %.4f", seed, name,
+                     row["accuracy"][name], row["loss"][name])
     runs[seed] = row
-  lines = ["| seed | " + " | ".join(VARIANTS) + " | SFT held-out loss float / QAT |",
-           "|---" * (len(VARIANTS) + 2) + "|"]
+  lines = ["| seed | " + " | ".join(VARIANTS) + " |", "|---" * (len(VARIANTS) + 1) + "|"]
   for seed, row in runs.items():
-    lines.append(f"| {seed} | " + " | ".join(f"{100 * row[v]:.1f}%" for v in VARIANTS)
-                 + f" | {row['float_eval_loss']:.4f} / {row['qat_eval_loss']:.4f} |")
-  lines.append("| mean +- std | " + " | ".join(_mean_std([r[v] for r in runs.values()])
-                                               for v in VARIANTS) + " | |")
+    lines.append(f"| {seed} | " + " | ".join(
+        f"{100 * row['accuracy'][v]:.1f}% ({row['loss'][v]:.4f})" for v in VARIANTS) + " |")
+  lines.append("| mean +- std | " + " | ".join(
+      _mean_std([r["accuracy"][v] for r in runs.values()]) for v in VARIANTS) + " |")
   # Memory and decode speed of the last seed's QAT model, INT4 against float32.
   speed = {}
   for dtype in ("float32", "int4"):
