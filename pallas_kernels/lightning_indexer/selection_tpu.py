@@ -161,8 +161,15 @@ def _select_kernel(start_smem, limit_smem, scores_ref, out_ref, key_scr, pk_scr,
     out_ref[...] = jnp.where(key == selection.INT_MIN, -1, idx)
 
 
+def vmem_bytes(s_p: int, k_p: int) -> int:
+  """VMEM the kernel declares: two int32 [s_p] scratch rows and the double-buffered
+  [8, lb] score and [8, k_p] output blocks, per 8 query rows."""
+  return ROWS * 4 * (2 * s_p + 2 * lane_block(s_p) + 2 * k_p)
+
+
 def select_topk(scores_bcs, start_bc, limit_bc, *, topk: int, n_keys: int,
-                radix_bits: int = RADIX_BITS, interpret=False):
+                radix_bits: int = RADIX_BITS, interpret=False,
+                vmem_limit_bytes: int | None = None):
   """Top-k per row of scores: the selection of `reference.deterministic_topk`.
 
   Args:
@@ -173,6 +180,9 @@ def select_topk(scores_bcs, start_bc, limit_bc, *, topk: int, n_keys: int,
     n_keys: s, the real key count.
     radix_bits: r, 32 / r threshold passes.
     interpret: False, True or a `pltpu.InterpretParams`.
+    vmem_limit_bytes: Mosaic's VMEM limit; default `vmem_bytes` + 24 MiB for the
+      kernel's own temporaries (13 + 24 MiB at s = 202,752: under v5e's 128 MiB and
+      v5p's 95 MiB; experiments/aot_tpu_kernels.py finds the least that compiles).
 
   Returns:
     int32 [b, c, k_p], k_p = max(128, next power of two >= k); slots >= k are -1.
@@ -197,14 +207,15 @@ def select_topk(scores_bcs, start_bc, limit_bc, *, topk: int, n_keys: int,
       out_specs=pl.BlockSpec((None, ROWS, k_p), lambda bi, qi, j, st, li: (bi, qi, 0)),
       scratch_shapes=[pltpu.VMEM((n_blk, ROWS, lb), jnp.int32)] * 2,
   )
-  scratch_bytes = 2 * s_p * ROWS * 4
+  if vmem_limit_bytes is None:
+    vmem_limit_bytes = vmem_bytes(s_p, k_p) + 24 * 2 ** 20
   return pl.pallas_call(
       kernel,
       grid_spec=grid_spec,
       out_shape=jax.ShapeDtypeStruct((b, c, k_p), jnp.int32),
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "arbitrary"),
-          vmem_limit_bytes=scratch_bytes + 24 * 2 ** 20),
+          vmem_limit_bytes=vmem_limit_bytes),
       interpret=_backend.tpu_interpret(interpret),
       name="lightning_indexer_select",
   )(start_bc.reshape(-1), limit_bc.reshape(-1), scores_bcs.astype(jnp.float32))
