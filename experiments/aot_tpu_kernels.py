@@ -114,7 +114,7 @@ def selection_row(s, topk, sharding, rows=256) -> dict:
     row.update(ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
     return row
   row["compile_seconds"] = time.perf_counter() - start
-  lo, hi = 0, -(-row["declared_vmem_bytes"] // 2 ** 20) + 24    # MiB: lo fails, hi compiles
+  lo, hi = 0, -(-row["declared_vmem_bytes"] // 2 ** 20) + 8     # MiB: lo fails, hi compiles
   while hi - lo > 1:
     mid = (lo + hi) // 2
     try:

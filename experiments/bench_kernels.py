@@ -118,6 +118,7 @@ def bench(shape, lengths, ops, impls, batch, dtype, repeats, peak_tflops, peak_g
         op_rows["pallas"]["same_as_topk"] = _identical(outputs["pallas"], outputs["pallas_topk"])
         print(f"  {op} t={t} pallas selection == XLA top_k on the same scores: "
               f"{op_rows['pallas']['same_as_topk']}", flush=True)
+        on_row(rows)
       if check_f32 and outputs:
         try:
           want = f32_reference(op, shape, chunk)(*args)

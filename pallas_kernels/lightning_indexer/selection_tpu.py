@@ -180,9 +180,9 @@ def select_topk(scores_bcs, start_bc, limit_bc, *, topk: int, n_keys: int,
     n_keys: s, the real key count.
     radix_bits: r, 32 / r threshold passes.
     interpret: False, True or a `pltpu.InterpretParams`.
-    vmem_limit_bytes: Mosaic's VMEM limit; default `vmem_bytes` + 24 MiB for the
-      kernel's own temporaries (13 + 24 MiB at s = 202,752: under v5e's 128 MiB and
-      v5p's 95 MiB; experiments/aot_tpu_kernels.py finds the least that compiles).
+    vmem_limit_bytes: Mosaic's VMEM limit; default `vmem_bytes` + 8 MiB for the
+      kernel's own temporaries. At s = 202,752 it declares 12.6 MiB and compiles for
+      v5e and v5p under a 13 MiB limit (experiments/aot_tpu_kernels.py bisects it).
 
   Returns:
     int32 [b, c, k_p], k_p = max(128, next power of two >= k); slots >= k are -1.
@@ -208,7 +208,7 @@ def select_topk(scores_bcs, start_bc, limit_bc, *, topk: int, n_keys: int,
       scratch_shapes=[pltpu.VMEM((n_blk, ROWS, lb), jnp.int32)] * 2,
   )
   if vmem_limit_bytes is None:
-    vmem_limit_bytes = vmem_bytes(s_p, k_p) + 24 * 2 ** 20
+    vmem_limit_bytes = vmem_bytes(s_p, k_p) + 8 * 2 ** 20
   return pl.pallas_call(
       kernel,
       grid_spec=grid_spec,

@@ -28,9 +28,12 @@ Option `queries_per_program=2` (grid (b, t / 2)): two queries per program, each 
 its own softmax state, one loop over both queries' blocks, so that the gathers of
 one overlap the other's math (FlashMLA's sparse prefill splits the 576 columns over
 two warpgroups instead, which Pallas Triton cannot express). It keeps two resident
-q and two blocks of rows: at bk = 32, 1 stage, it fits sm_90's shared memory
-(`experiments/aot_gpu_kernels.py`); `experiments/tune_gpu_kernels.py` times it
-against the default, which stays one query per program until a device has.
+q and two blocks of rows, and two [hp, vp] float32 accumulators in registers. For sm_90a
+(`experiments/aot_gpu_kernels.py --variants`, 8 warps): bk = 32 at 1 stage 184,320 B of
+shared memory, bk = 16 at 2 stages 221,312 B, bk = 64 at 1 stage 221,184 B (bk = 32 at 2
+stages does not fit), each spilling 2.5-4 KB of registers (the default: 204 B).
+`experiments/tune_gpu_kernels.py` times these against the default, which stays one query
+per program until a device has.
 
 Backward, grid (b, t), one program per query, no recomputation beyond p:
   [q_v; do]                [2hp, v]   stacked by the caller (`stack_q_do`), loaded once
