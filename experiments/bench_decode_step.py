@@ -22,14 +22,13 @@ measured with a large copy when 0):
 fraction = floor / measured step. Each row is written to the JSON when it is done.
 """
 
-import json
-
 from absl import app
 from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import rows as rows_lib
 from glm5_jax import config as config_lib
 from glm5_jax import nn as gnn
 from glm5_jax.inference import Engine
@@ -105,25 +104,14 @@ def main(argv):
   print(f"device: {device}; {peak_gbs:.0f} GB/s; prompt {prompt_len} + {new_tokens} tokens; "
         f"{sum(x.size for x in jax.tree_util.tree_leaves(params)) / 1e9:.2f}B params "
         f"({cfg.dtype})", flush=True)
-  rows = []
-  for batch in (int(b) for b in _BATCHES.value):
-    try:
-      row = bench_batch(cfg, params, batch, prompt_len, new_tokens, _STEPS.value,
-                        _INVARIANT.value, peak_gbs)
-      print(f"  batch {batch:>3}: {row['step_s'] * 1e3:8.2f} ms/step  {row['tokens_per_s']:9.0f} "
-            f"tok/s  floor {row['floor_s'] * 1e3:7.3f} ms ({row['bytes'] / 1e9:.2f} GB)  "
-            f"fraction {row['fraction']:.1%}", flush=True)
-    except Exception as e:  # pylint: disable=broad-except
-      row = dict(batch=batch, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
-      print(f"  batch {batch}: FAILED {row['error']}", flush=True)
-    rows.append(row)
-    if _OUT.value:
-      with open(_OUT.value, "w") as f:
-        json.dump(dict(device=device, peak_gbs=peak_gbs, dtype=cfg.dtype, rows=rows), f,
-                  indent=1)
-  if _OUT.value:
-    print(f"wrote {_OUT.value}")
-
+  describe = lambda r: (f"  batch {r['batch']:>3}: {r['step_s'] * 1e3:8.2f} ms/step  "
+                        f"{r['tokens_per_s']:9.0f} tok/s  floor {r['floor_s'] * 1e3:7.3f} ms "
+                        f"({r['bytes'] / 1e9:.2f} GB)  fraction {r['fraction']:.1%}")
+  rows_lib.measure_rows(
+      "batch", [int(b) for b in _BATCHES.value],
+      lambda batch: bench_batch(cfg, params, batch, prompt_len, new_tokens, _STEPS.value,
+                                _INVARIANT.value, peak_gbs),
+      describe, _OUT.value, dict(device=device, peak_gbs=peak_gbs, dtype=cfg.dtype))
 
 if __name__ == "__main__":
   app.run(main)

@@ -21,7 +21,6 @@ kernels (`attention_impl="pallas"`). Each row is written to the JSON when it is 
 a run cut short keeps what it measured.
 """
 
-import json
 import time
 
 from absl import app
@@ -30,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import rows as rows_lib
 from glm5_jax import config as config_lib
 from glm5_jax import losses
 from glm5_jax import nn as gnn
@@ -109,24 +109,15 @@ def main(argv):
   device = jax.devices()[0].device_kind
   print(f"device: {device}; peak {peak:.1f} TFLOP/s; seq {seq} x batch {_BATCH.value}",
         flush=True)
-  rows = []
-  for run in _RUNS.value:
-    try:
-      row = bench_run(run, seq, _BATCH.value, _REPEATS.value, peak, _LOSS_CHUNK.value, smoke)
-      print(f"  {run:<6} {row['step_s'] * 1e3:9.1f} ms  {row['tokens_per_s']:9.0f} tok/s  "
-            f"{row['model_gflop_per_token']:7.2f} GFLOP/tok  {row['tflops']:7.1f} TFLOP/s  "
-            f"MFU {row['mfu']:.1%}  (first step {row['compile_first_step_s']:.0f} s, "
-            f"{row['params'] / 1e9:.2f}B params)", flush=True)
-    except Exception as e:  # pylint: disable=broad-except
-      row = dict(run=run, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
-      print(f"  {run}: FAILED {row['error']}", flush=True)
-    rows.append(row)
-    if _OUT.value:
-      with open(_OUT.value, "w") as f:
-        json.dump(dict(device=device, peak_tflops=peak, rows=rows), f, indent=1)
-  if _OUT.value:
-    print(f"wrote {_OUT.value}")
-
+  describe = lambda r: (f"  {r['run']:<6} {r['step_s'] * 1e3:9.1f} ms  {r['tokens_per_s']:9.0f} "
+                        f"tok/s  {r['model_gflop_per_token']:7.2f} GFLOP/tok  "
+                        f"{r['tflops']:7.1f} TFLOP/s  MFU {r['mfu']:.1%}  (first step "
+                        f"{r['compile_first_step_s']:.0f} s, {r['params'] / 1e9:.2f}B params)")
+  rows_lib.measure_rows(
+      "run", _RUNS.value,
+      lambda run: bench_run(run, seq, _BATCH.value, _REPEATS.value, peak, _LOSS_CHUNK.value,
+                            smoke),
+      describe, _OUT.value, dict(device=device, peak_tflops=peak))
 
 if __name__ == "__main__":
   app.run(main)

@@ -36,7 +36,7 @@ Passes and bytes, per query row (s = 202,752, k = 2048, float32 scores):
     (4 s B = 811 KB; the block pipeline streams them into VMEM) and writes 4 k_p B;
     everything else runs on the VMEM copy: 1 key pass (4 s B written), 32 / r = 32
     threshold passes (4 s B read each), 1 mask + prefix pass (4 s read, 4 s
-    written), ceil(log2 s_p) = 18 network passes (about 4 * 4 s read, 2 * 4 s
+    written), ceil(log2 s_p) = 18 network passes (about 6 * 4 s read, 2 * 4 s
     written each), then the sort on 2 * 4 k_p B in vregs. VMEM: 2 int32 [s_p]
     arrays per row, 8 * 2 * 4 s_p B = 13 MB per program at s = 202,752.
   GPU (`selection_gpu.py`, 1 row per program, r = 4): reads the scores from
@@ -44,8 +44,8 @@ Passes and bytes, per query row (s = 202,752, k = 2048, float32 scores):
     B (7.3 MB at s = 202,752; 1.2 MB at 32K, which stays in the 50 MB L2 while
     about 100 rows are in flight); scatters 8 B per selected key, reads back 8 k_p B
     and writes 4 k_p B.
-Compute per key: TPU about 2 r-digit compare-adds per threshold pass and about a
-dozen vector ops per network step; GPU 2^r compare-adds per threshold pass.
+Compute per key: TPU 2^r - 1 compare-adds per threshold pass (1 at r = 1) and about a
+dozen vector ops per network pass; GPU 2^r compare-adds per threshold pass (16 at r = 4).
 Nothing here has been timed on hardware yet.
 """
 
