@@ -53,13 +53,13 @@ KERNELS = ("sparse_fwd", "sparse_bwd", "indexer_scores", "indexer_topk", "indexe
 # (experiments/aot_gpu_kernels.py --variants; all spill 2.5-4 KB of registers) and two on
 # 16 warps, which halve each thread's share of the two [64, 512] float32 accumulators.
 SPARSE_FWD = ([(64, 8, 3, 1)]
-              + [(16, 8, 1, 2), (16, 8, 2, 2), (32, 8, 1, 2), (64, 8, 1, 2), (32, 16, 1, 2),
-                 (64, 16, 1, 2)]
+              + [(32, 16, 1, 2), (16, 8, 2, 2), (64, 16, 1, 2), (32, 8, 1, 2), (16, 8, 1, 2),
+                 (64, 8, 1, 2)]
               + [c + (1,) for c in itertools.product((32, 64, 128), (4, 8, 16), (1, 2, 3))
                  if c != (64, 8, 3)])
 # (block, radix_bits, num_warps); the first row is the current default.
 # (r = 8 is left out: its [block, 256] counters did not compile in 6 minutes for sm_90a.)
-INDEXER_SELECT = [(512, 4, 4), (1024, 4, 8), (256, 4, 4), (512, 2, 4), (512, 4, 8),
+INDEXER_SELECT = [(512, 4, 4), (512, 2, 4), (1024, 4, 8), (256, 4, 4), (512, 4, 8),
                   (1024, 2, 8)]
 SPARSE_BWD = [(64, 8, 1), (32, 8, 1), (32, 8, 2), (16, 8, 1), (16, 8, 2), (64, 4, 1),
               (64, 16, 1)]
@@ -75,6 +75,9 @@ _FWD_QUERIES = flags.DEFINE_list(
     "sparse_fwd_queries", ["1", "2"],
     "queries per program of the sparse_fwd configurations to sweep (the default "
     "configuration always runs first)")
+_MAX_CONFIGS = flags.DEFINE_integer(
+    "max_configs", 0, "at most this many configurations per kernel, in table order (each "
+    "compiles for 5-20 s); 0 = all")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "timed runs per configuration (median)")
 _CHUNK = flags.DEFINE_integer("chunk_size", 256, "query chunk of the top-k selection")
 _PEAK_TFLOPS = flags.DEFINE_float("peak_tflops", 0.0, "matmul peak; 0 = measure")
@@ -226,7 +229,8 @@ def main(argv):
     cost = op_cost(kernel, shape, t, ops[2], dtype)
     floor_s = roofline.floor_seconds(cost, peak_tflops, peak_gbs)
     first = topk_indices if kernel == "indexer_select" else None
-    for cfg, fn, args in configs_and_fns(kernel, shape, t, ops, _CHUNK.value, interpret):
+    configs = configs_and_fns(kernel, shape, t, ops, _CHUNK.value, interpret)
+    for cfg, fn, args in configs[:_MAX_CONFIGS.value or None]:
       row = dict(kernel=kernel, floor_seconds=floor_s, **cfg)
       try:
         secs = timing.median_time(fn, *args, repeats=_REPEATS.value)

@@ -33,6 +33,7 @@ if [ "${1:-}" = smoke ]; then
       --impls=pallas,pallas_topk,xla --check_f32=false --repeats=1 $TF $GB \
       --out="$OUT/indexer.json"
   run tune 300 experiments.tune_gpu_kernels "${T[@]}" --seq_len=128 --sparse_fwd_queries=2 \
+      --max_configs=3 \
       --kernels=sparse_fwd,indexer_topk,indexer_select --repeats=1 $TF $GB --out="$OUT/tune.json"
   run train_mfu 300 experiments.bench_train_mfu --smoke $TF --out="$OUT/train_mfu.json"
   run decode 300 experiments.bench_decode_step --smoke --batches=1,2 $GB \
@@ -40,10 +41,10 @@ if [ "${1:-}" = smoke ]; then
   exit 0
 fi
 
-run indexer 110 experiments.bench_kernels --shape=glm5 --ops=indexer --lengths=32768,8192,131072 \
+run indexer 120 experiments.bench_kernels --shape=glm5 --ops=indexer --lengths=32768,8192,131072 \
     --impls=pallas,pallas_topk,xla --check_f32=false --repeats=2 $TF $GB \
     --out="$OUT/indexer.json"
-run tune 80 experiments.tune_gpu_kernels --seq_len=32768 --sparse_fwd_queries=2 \
+run tune 90 experiments.tune_gpu_kernels --seq_len=32768 --sparse_fwd_queries=2 --max_configs=3 \
     --kernels=indexer_topk,indexer_select,sparse_fwd --repeats=3 $TF $GB --out="$OUT/tune.json"
-run train_mfu 100 experiments.bench_train_mfu $TF --out="$OUT/train_mfu.json"
-run decode 70 experiments.bench_decode_step $GB --out="$OUT/decode_step.json"
+run train_mfu 95 experiments.bench_train_mfu $TF --out="$OUT/train_mfu.json"
+run decode 55 experiments.bench_decode_step $GB --out="$OUT/decode_step.json"

@@ -8,7 +8,8 @@ the custom calls (libtpu's Mosaic, Triton's PTX backend) run in
 tests/test_kernels_aot.py, in the `aot` venv.
 
 Shapes are GLM-5's (docs/design.md §1): h=64, d_qk=576, v_dim=512, h_i=32, d_i=128,
-topk=2048, at a sequence length of 4096. Nothing runs, so this is fast.
+topk=2048, at a sequence length of 4096; the top-k selection also at GLM-5's longest
+context, 202,752 keys. Nothing runs, so this is fast.
 """
 
 import re
