@@ -6,7 +6,8 @@ goes on through Triton's own compiler (TTIR -> TTGIR -> LLVM -> PTX -> cubin) wi
 kernel: registers/thread, spill bytes, shared memory (Triton's dynamic smem), GPU-scope
 fences in the SASS (`MEMBAR.ALL.GPU`, which acquire-release atomics cost), or the error.
 Shapes: GLM-5 prefill (t = s = 4096) and decode (t = 1 against a 4096-row cache; forward
-kernels only).
+kernels only); the top-k selection also alone at GLM-5's longest context (k = 2048 of
+s = 202,752 keys); the sparse forward also with two queries per program.
 
 Runs in the `aot` venv of launch/local.sh (the project's venv does not get `triton`):
 
@@ -46,6 +47,8 @@ from triton.compiler.compiler import make_backend
 
 from pallas_kernels import testing
 from pallas_kernels.lightning_indexer import kernel as indexer_kernel
+from pallas_kernels.lightning_indexer import selection_gpu
+from pallas_kernels.sparse_attention import gpu as sparse_gpu
 from pallas_kernels.sparse_attention import kernel as sparse_kernel
 
 SEQ = 4096
@@ -109,6 +112,27 @@ def indexer_modules(block_q=None, block_k=None, t=SEQ):
           jax.ShapeDtypeStruct((1, t, H_I), jnp.float32))
   f = lambda q, k, w: indexer_kernel.topk_indices(q, k, w, TOPK, backend="gpu",
                                                   block_q=block_q, block_k=block_k)
+  return export_triton_modules(f, *args)
+
+
+def selection_modules(s=202752, rows=256, block=None, radix_bits=None):
+  """Triton module of the top-k selection kernel alone: k = TOPK of s keys, `rows` queries."""
+  args = (jax.ShapeDtypeStruct((1, rows, s), jnp.float32),
+          jax.ShapeDtypeStruct((1, rows), jnp.int32), jax.ShapeDtypeStruct((1, rows), jnp.int32))
+  kw = {k: v for k, v in (("block", block), ("radix_bits", radix_bits)) if v is not None}
+  f = lambda x, lo, hi: selection_gpu.select_topk(x, lo, hi, topk=TOPK, n_keys=s, **kw)
+  return export_triton_modules(f, *args)
+
+
+def sparse_fwd_modules(queries_per_program=2, block_k=32, num_stages=1, t=SEQ):
+  """Triton module of the sparse MLA forward with `queries_per_program` queries per program."""
+  args = (jax.ShapeDtypeStruct((1, t, H, D_QK), jnp.bfloat16),
+          jax.ShapeDtypeStruct((1, SEQ, D_QK), jnp.bfloat16),
+          jax.ShapeDtypeStruct((1, t, TOPK), jnp.int32),
+          jax.ShapeDtypeStruct((1, t, 1), jnp.int32))
+  f = lambda q, kv, idx, n: sparse_gpu.sparse_mla_fwd(
+      q, kv, idx, n, v_dim=V_DIM, scale=D_QK ** -0.5, block_k=block_k, num_stages=num_stages,
+      queries_per_program=queries_per_program)
   return export_triton_modules(f, *args)
 
 
@@ -201,7 +225,9 @@ def main():
   jobs = [("default", sparse_mla_modules(), [None]),
           ("default", indexer_modules(), [None]),
           ("decode t=1", sparse_mla_modules(t=1, backward=False), [None]),
-          ("decode t=1", indexer_modules(t=1), [None])]
+          ("decode t=1", indexer_modules(t=1), [None]),
+          ("s=202752", selection_modules(), [None]),
+          ("2 queries/program, bk=32", sparse_fwd_modules(2, 32, 1), [None])]
   if flags.variants:
     jobs[0][2].extend([(8, 2), (8, 3), (16, 1), (16, 2)])
     jobs[1][2].extend([(8, 2), (4, 3)])
@@ -209,6 +235,12 @@ def main():
       jobs.append((f"block_k={bk}", sparse_mla_modules(block_k=bk), [None, (8, 2), (8, 3)]))
     for bq, bk in ((64, 64), (64, 128), (128, 128)):
       jobs.append((f"block_q={bq},block_k={bk}", indexer_modules(bq, bk), [None, (8, 2)]))
+    for bk, stages in ((16, 1), (16, 2), (32, 2), (64, 1)):
+      jobs.append((f"2 queries/program, bk={bk}", sparse_fwd_modules(2, bk, stages), [None]))
+    for block, bits in ((1024, 4), (512, 2)):      # r = 8: no compile within 6 minutes
+      jobs.append((f"select block={block},r={bits}", selection_modules(block=block,
+                                                                       radix_bits=bits),
+                   [None, (8, 2)]))
 
   print(" | ".join(HEADER))
   rows = []

@@ -15,7 +15,9 @@ For each op (those of bench_kernels: `indexer`, `sparse_fwd`, `sparse_fwd_bwd`),
 sequence length (t = s) and implementation it prints the compiled program's
 HBM use from `memory_analysis()`: arguments, outputs and temporaries (with
 row-major argument layouts, see `row_major`), next to the roofline's bytes that
-must move (`pallas_kernels.roofline`). The `xla`
+must move (`pallas_kernels.roofline`); the top-k selection kernel, compiled alone at
+--select_lengths keys (up to GLM-5's 202,752), reports the VMEM it declares and the least
+VMEM limit under which Mosaic compiles it. The `xla`
 reference is compiled too: at long context its gathered [t, topk, d] rows are
 what the kernels exist to avoid.
 """
@@ -33,6 +35,7 @@ import jax.numpy as jnp
 
 from experiments import kernel_ops
 from pallas_kernels import roofline
+from pallas_kernels.lightning_indexer import selection_tpu
 
 _TOPOLOGY = flags.DEFINE_string("topology", "v5e:2x2",
                                 "TPU topology name, e.g. v5e:2x2, v6e:2x2, v5p:2x2x1, v4:2x2x1")
@@ -42,6 +45,10 @@ _IMPLS = flags.DEFINE_list("impls", ["pallas", "xla"], "implementations to compi
 _SHAPE = flags.DEFINE_enum("shape", "glm5", list(kernel_ops.SHAPES), "head/dim preset")
 _BATCH = flags.DEFINE_integer("batch", 1, "batch size")
 _CHUNK = flags.DEFINE_integer("chunk_size", 256, "query chunk of both impls")
+_SELECT_LENGTHS = flags.DEFINE_list(
+    "select_lengths", ["32768", "202752"],
+    "key counts s at which the top-k selection kernel also compiles alone (256 query rows, "
+    "k = the shape's topk), with the least VMEM limit it compiles under; empty: skip")
 _OUT = flags.DEFINE_string("out", "", "JSON output path (optional)")
 
 
@@ -86,6 +93,39 @@ def compile_one(op, impl, shape, b, t, chunk, sharding):
   return row
 
 
+def compile_selection(s, topk, rows, sharding, vmem_limit_bytes=None):
+  """The selection kernel alone over float32 scores [1, rows, s], compiled for the TPU."""
+  sds = lambda shp, dt: jax.ShapeDtypeStruct(shp, dt, sharding=sharding)
+  args = (sds((1, rows, s), jnp.float32), sds((1, rows), jnp.int32), sds((1, rows), jnp.int32))
+  fn = jax.jit(lambda x, lo, hi: selection_tpu.select_topk(
+      x, lo, hi, topk=topk, n_keys=s, vmem_limit_bytes=vmem_limit_bytes))
+  return fn.trace(*args).lower(lowering_platforms=("tpu",)).compile()
+
+
+def selection_row(s, topk, sharding, rows=256) -> dict:
+  """Compiles the selection at s keys; the VMEM it declares and the least limit (MiB) that
+  compiles (a bisection: Mosaic refuses a kernel whose buffers and temporaries exceed it)."""
+  row = dict(op="select", impl="pallas", seq_len=s, topk=topk,
+             declared_vmem_bytes=selection_tpu.vmem_bytes(s, selection_tpu.padded_topk(topk)))
+  start = time.perf_counter()
+  try:
+    compile_selection(s, topk, rows, sharding)
+  except Exception as e:  # pylint: disable=broad-except
+    row.update(ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+    return row
+  row["compile_seconds"] = time.perf_counter() - start
+  lo, hi = 0, -(-row["declared_vmem_bytes"] // 2 ** 20) + 8     # MiB: lo fails, hi compiles
+  while hi - lo > 1:
+    mid = (lo + hi) // 2
+    try:
+      compile_selection(s, topk, rows, sharding, vmem_limit_bytes=mid * 2 ** 20)
+      hi = mid
+    except Exception:  # pylint: disable=broad-except
+      lo = mid
+  row.update(ok=True, least_vmem_limit_mib=hi)
+  return row
+
+
 def table(rows) -> str:
   mib = lambda x: f"{x / 2 ** 20:,.0f}"
   head = (f"{'op':<15}{'seq':>7} {'impl':<7}{'compile s':>10}{'args MiB':>11}{'out MiB':>10}"
@@ -93,6 +133,11 @@ def table(rows) -> str:
   lines = [head, "-" * len(head)]
   for r in rows:
     lead = f"{r['op']:<15}{r['seq_len']:>7} {r['impl']:<7}"
+    if r["ok"] and r["op"] == "select":
+      lines.append(lead + f"{r['compile_seconds']:>10.1f}  VMEM declared "
+                   f"{r['declared_vmem_bytes'] / 2 ** 20:.1f} MiB, compiles under a limit of "
+                   f"{r['least_vmem_limit_mib']} MiB (k = {r['topk']}, 8 query rows per program)")
+      continue
     if not r["ok"]:
       lines.append(lead + f"  FAILED {r['error']}")
       continue
@@ -116,6 +161,9 @@ def main(argv):
       for impl in _IMPLS.value:
         rows.append(compile_one(op, impl, shape, _BATCH.value, t, _CHUNK.value, sharding))
         print(f"  {op} t={t} {impl}: {'ok' if rows[-1]['ok'] else 'FAILED'}", flush=True)
+  for s in (int(x) for x in _SELECT_LENGTHS.value):
+    rows.append(selection_row(s, shape["topk"], sharding))
+    print(f"  select s={s}: {'ok' if rows[-1]['ok'] else 'FAILED'}", flush=True)
   print(table(rows))
   if _OUT.value:
     with open(_OUT.value, "w") as f:

@@ -28,6 +28,10 @@ A point that fails (out of memory, a compile error) is recorded as an error row
 and the run goes on; the JSON is rewritten after every point, so a run cut short
 by a time limit still leaves what it measured.
 
+Impls: `pallas` (the kernels), `xla` (the jnp path), `pallas_topk` (indexer only: the
+score kernel followed by XLA's top_k instead of the selection kernel; the pallas row's
+`same_as_topk` says whether the two selections were identical).
+
 Ops: `indexer` (scores + top-k), `sparse_fwd` (sparse MLA forward),
 `sparse_fwd_bwd` (forward + gradients of q and kv). Indices come from the
 indexer on random inputs, so early queries have -1 tails as in the model.
@@ -48,7 +52,10 @@ from pallas_kernels import roofline
 _SHAPE = flags.DEFINE_enum("shape", "tiny", list(kernel_ops.SHAPES), "head/dim preset")
 _LENGTHS = flags.DEFINE_list("lengths", ["64", "128"], "sequence lengths (t = s)")
 _OPS = flags.DEFINE_list("ops", list(kernel_ops.OPS), f"subset of {kernel_ops.OPS}")
-_IMPLS = flags.DEFINE_list("impls", ["pallas", "xla"], "implementations to time")
+_IMPLS = flags.DEFINE_list("impls", ["pallas", "xla"],
+                           f"implementations to time, of {kernel_ops.IMPLS} (pallas_topk: the "
+                           "indexer's score kernel with XLA's top_k, the selection before "
+                           "the selection kernel)")
 _BATCH = flags.DEFINE_integer("batch", 1, "batch size")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "activation dtype")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "timed runs per point (median)")
@@ -84,6 +91,8 @@ def bench(shape, lengths, ops, impls, batch, dtype, repeats, peak_tflops, peak_g
       floor_s = roofline.floor_seconds(cost, peak_tflops, peak_gbs)
       outputs, op_rows = {}, {}
       for impl in impls:
+        if impl == "pallas_topk" and op != "indexer":
+          continue
         row = dict(op=op, seq_len=t, impl=impl, gflop=cost.flops / 1e9, mbytes=cost.bytes / 1e6,
                    floor_seconds=floor_s, bound=roofline.bound(cost, peak_tflops, peak_gbs))
         try:
@@ -92,7 +101,7 @@ def bench(shape, lengths, ops, impls, batch, dtype, repeats, peak_tflops, peak_g
           row.update(seconds=secs, fraction=floor_s / secs)
           outputs[impl] = fn(*args)
           print(f"  {op} t={t} {impl}: {secs * 1e3:.2f} ms", flush=True)
-          if impl == "pallas":
+          if impl != "xla":
             row["rerun"] = _identical(outputs[impl], fn(*args))
         except Exception as e:  # pylint: disable=broad-except
           row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
@@ -100,8 +109,15 @@ def bench(shape, lengths, ops, impls, batch, dtype, repeats, peak_tflops, peak_g
         rows.append(row)
         op_rows[impl] = row
         on_row(rows)
-      if "pallas" in outputs and "xla" in outputs:   # the kernel checked on this device
-        _check(op_rows["pallas"], "vs_xla", op, outputs["pallas"], outputs["xla"])
+      for impl in outputs:                           # the kernels checked on this device
+        if impl != "xla" and "xla" in outputs:
+          _check(op_rows[impl], "vs_xla", op, outputs[impl], outputs["xla"])
+      if len(outputs) > 1:
+        on_row(rows)
+      if "pallas" in outputs and "pallas_topk" in outputs:   # the two selections: identical?
+        op_rows["pallas"]["same_as_topk"] = _identical(outputs["pallas"], outputs["pallas_topk"])
+        print(f"  {op} t={t} pallas selection == XLA top_k on the same scores: "
+              f"{op_rows['pallas']['same_as_topk']}", flush=True)
         on_row(rows)
       if check_f32 and outputs:
         try:
@@ -181,14 +197,14 @@ def _identical(a, b) -> bool:
 
 
 def table(rows) -> str:
-  head = (f"{'op':<15}{'seq':>8} {'impl':<7}{'time ms':>11}{'GFLOP':>11}{'MB':>11}"
+  head = (f"{'op':<15}{'seq':>8} {'impl':<12}{'time ms':>11}{'GFLOP':>11}{'MB':>11}"
           f"{'floor ms':>11} {'bound':<8}{'fraction':>9}{'vs xla':>10}{'vs f32':>10}{'rerun':>8}")
   lines = [head, "-" * len(head)]
   for r in rows:
     if "error" in r:
-      lines.append(f"{r['op']:<15}{r['seq_len']:>8} {r['impl']:<7}  FAILED {r['error']}")
+      lines.append(f"{r['op']:<15}{r['seq_len']:>8} {r['impl']:<12}  FAILED {r['error']}")
       continue
-    lines.append(f"{r['op']:<15}{r['seq_len']:>8} {r['impl']:<7}{r['seconds'] * 1e3:>11.4g}"
+    lines.append(f"{r['op']:<15}{r['seq_len']:>8} {r['impl']:<12}{r['seconds'] * 1e3:>11.4g}"
                  f"{r['gflop']:>11.4g}{r['mbytes']:>11.4g}{r['floor_seconds'] * 1e3:>11.4g} "
                  f"{r['bound']:<8}{r['fraction']:>9.3%}"
                  + "".join(f"{r[k]:>10.2g}" if k in r else f"{'-':>10}" for k in ("vs_xla", "vs_f32"))
@@ -199,6 +215,9 @@ def table(rows) -> str:
 def main(argv):
   del argv
   kernel_ops.check_ops(_OPS.value)
+  bad = set(_IMPLS.value) - set(kernel_ops.IMPLS)
+  if bad:
+    raise ValueError(f"--impls: {sorted(bad)} unknown; expected a subset of {kernel_ops.IMPLS}")
   dtype = jnp.dtype(_DTYPE.value)
   peak_tflops, peak_gbs = _PEAK_TFLOPS.value, _PEAK_GBS.value
   if not peak_tflops or not peak_gbs:

@@ -19,6 +19,7 @@ SHAPES = {
     "tiny": dict(h=4, d_qk=24, v_dim=16, h_i=4, d_i=16, topk=16),
 }
 OPS = ("indexer", "sparse_fwd", "sparse_fwd_bwd")
+IMPLS = ("pallas", "xla", "pallas_topk")     # pallas_topk: indexer only
 
 
 def check_ops(ops, flag="--ops"):
@@ -40,10 +41,11 @@ def op_fn(op, impl, shape, backend, chunk, interpret=None, tiles=None):
   tiles = tiles or {}
   scale = shape["d_qk"] ** -0.5
   if op == "indexer":
-    if impl == "pallas":
+    if impl in ("pallas", "pallas_topk"):     # pallas_topk: the score kernel + XLA's top_k
       return jax.jit(lambda q, k, w: indexer_kernel.topk_indices(
           q, k, w, shape["topk"], chunk_size=chunk, interpret=interpret, backend=backend,
-          block_q=tiles.get("indexer_block_q"), block_k=tiles.get("indexer_block_k")))
+          block_q=tiles.get("indexer_block_q"), block_k=tiles.get("indexer_block_k"),
+          selection="kernel" if impl == "pallas" else "top_k"))
     return jax.jit(lambda q, k, w: lightning_indexer.topk_indices(
         q, k, w, shape["topk"], chunk_size=chunk, impl=impl))
   if impl == "pallas":

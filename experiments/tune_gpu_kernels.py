@@ -7,12 +7,18 @@ r"""Sweep of the GPU (Triton) kernels' tiles, warps and pipeline stages at one l
 
 Times each kernel alone on operands already in its layout, so the numbers are kernel
 time, not the wrappers' padding or the custom_vjp's delta:
-  sparse_fwd      `gpu.sparse_mla_fwd`   over (block_k, num_warps, num_stages)
-  sparse_bwd      `gpu.sparse_mla_bwd`   over the same (lse from the forward, do = 1)
+  sparse_fwd      `gpu.sparse_mla_fwd`   over (block_k, num_warps, num_stages,
+                  queries_per_program: 1, or 2 queries per program with their own
+                  softmax states)
+  sparse_bwd      `gpu.sparse_mla_bwd`   over (block_k, num_warps, num_stages) (lse from
+                  the forward, do = 1)
   indexer_scores  `gpu.index_scores_chunk` over all t queries at once, over
                   (block_q, block_k, num_warps, num_stages)
-  indexer_topk    the deterministic top-k of those scores in query chunks (XLA; no
-                  tiles: it says how much of `indexer` in bench_kernels is selection)
+  indexer_topk    `reference.deterministic_topk` (XLA's top_k) of those scores in query
+                  chunks: the selection the indexer made before the selection kernel
+  indexer_select  the selection kernel (`selection_gpu.select_topk`) on the same scores,
+                  all t rows in one call, over (block, radix_bits, num_warps); its
+                  `vs first` is against indexer_topk's indices (0: the same lists)
 A configuration that does not compile (shared memory, registers) is an error row. Each row
 has the roofline fraction of its op (`pallas_kernels.roofline`; the backward's floor is
 fwd_bwd's minus fwd's) and `vs first`: the largest difference of its output from the first
@@ -22,6 +28,7 @@ the indexer's causal-dead tiles hold -inf, and which tiles are dead depends on t
 every row; the winners become the defaults in the kernels' `gpu.py`.
 """
 
+import functools
 import itertools
 import json
 
@@ -36,13 +43,24 @@ from pallas_kernels import lightning_indexer
 from pallas_kernels import roofline
 from pallas_kernels.lightning_indexer import gpu as indexer_gpu
 from pallas_kernels.lightning_indexer import reference as indexer_reference
+from pallas_kernels.lightning_indexer import selection_gpu
 from pallas_kernels.sparse_attention import gpu as sparse_gpu
 from pallas_kernels.sparse_attention import kernel as sparse_kernel
 
-KERNELS = ("sparse_fwd", "sparse_bwd", "indexer_scores", "indexer_topk")
-# (block_k, num_warps, num_stages); the first row is the current default.
-SPARSE_FWD = [(64, 8, 3)] + [c for c in itertools.product((32, 64, 128), (4, 8, 16), (1, 2, 3))
-                             if c != (64, 8, 3)]
+KERNELS = ("sparse_fwd", "sparse_bwd", "indexer_scores", "indexer_topk", "indexer_select")
+# (block_k, num_warps, num_stages, queries per program); the first row is the current default.
+# Two queries per program: the 8-warp configurations that fit sm_90's shared memory
+# (experiments/aot_gpu_kernels.py --variants; all spill 2.5-4 KB of registers) and two on
+# 16 warps, which halve each thread's share of the two [64, 512] float32 accumulators.
+SPARSE_FWD = ([(64, 8, 3, 1)]
+              + [(32, 16, 1, 2), (16, 8, 2, 2), (64, 16, 1, 2), (32, 8, 1, 2), (16, 8, 1, 2),
+                 (64, 8, 1, 2)]
+              + [c + (1,) for c in itertools.product((32, 64, 128), (4, 8, 16), (1, 2, 3))
+                 if c != (64, 8, 3)])
+# (block, radix_bits, num_warps); the first row is the current default.
+# (r = 8 is left out: its [block, 256] counters did not compile in 6 minutes for sm_90a.)
+INDEXER_SELECT = [(512, 4, 4), (512, 2, 4), (1024, 4, 8), (256, 4, 4), (512, 4, 8),
+                  (1024, 2, 8)]
 SPARSE_BWD = [(64, 8, 1), (32, 8, 1), (32, 8, 2), (16, 8, 1), (16, 8, 2), (64, 4, 1),
               (64, 16, 1)]
 # (block_q, block_k, num_warps, num_stages)
@@ -53,6 +71,13 @@ INDEXER = [(64, 128, 8, 2), (32, 64, 4, 2), (64, 64, 4, 2), (32, 128, 4, 2), (64
 _SHAPE = flags.DEFINE_enum("shape", "glm5", list(kernel_ops.SHAPES), "head/dim preset")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 32768, "t = s")
 _KERNELS = flags.DEFINE_list("kernels", list(KERNELS), f"subset of {KERNELS}")
+_FWD_QUERIES = flags.DEFINE_list(
+    "sparse_fwd_queries", ["1", "2"],
+    "queries per program of the sparse_fwd configurations to sweep (the default "
+    "configuration always runs first)")
+_MAX_CONFIGS = flags.DEFINE_integer(
+    "max_configs", 0, "at most this many configurations per kernel, in table order (each "
+    "compiles for 5-20 s); 0 = all")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "timed runs per configuration (median)")
 _CHUNK = flags.DEFINE_integer("chunk_size", 256, "query chunk of the top-k selection")
 _PEAK_TFLOPS = flags.DEFINE_float("peak_tflops", 0.0, "matmul peak; 0 = measure")
@@ -92,14 +117,20 @@ def configs_and_fns(kernel, shape, t, ops, chunk, interpret):
   v, scale = shape["v_dim"], shape["d_qk"] ** -0.5
   out = []
   if kernel in ("sparse_fwd", "sparse_bwd"):
-    table = SPARSE_FWD if kernel == "sparse_fwd" else SPARSE_BWD
-    for bk, warps, stages in table:
+    if kernel == "sparse_fwd":
+      wanted = {int(x) for x in _FWD_QUERIES.value}
+      table = SPARSE_FWD[:1] + [c for c in SPARSE_FWD[1:] if c[3] in wanted]
+    else:
+      table = [c + (1,) for c in SPARSE_BWD]
+    for bk, warps, stages, queries in table:
       idx_b, live = _blocked(idx, bk)
       cfg = dict(block_k=bk, num_warps=warps, num_stages=stages)
       if kernel == "sparse_fwd":
-        fn = jax.jit(lambda q, kv, i, n, bk=bk, w=warps, st=stages: sparse_gpu.sparse_mla_fwd(
-            q, kv, i, n, v_dim=v, scale=scale, block_k=bk, interpret=interpret, num_warps=w,
-            num_stages=st))
+        cfg["queries"] = queries
+        fn = jax.jit(lambda q, kv, i, n, bk=bk, w=warps, st=stages, qp=queries:
+                     sparse_gpu.sparse_mla_fwd(q, kv, i, n, v_dim=v, scale=scale, block_k=bk,
+                                               interpret=interpret, num_warps=w,
+                                               num_stages=st, queries_per_program=qp))
         out.append((cfg, fn, (q_p, kv_p, idx_b, live)))
       else:
         o, lse = jax.jit(lambda q, kv, i, n: sparse_gpu.sparse_mla_fwd(
@@ -127,20 +158,34 @@ def configs_and_fns(kernel, shape, t, ops, chunk, interpret):
                                                   num_stages=st))
       out.append((cfg, fn, (q0, q_bjcd, ki, wi)))
     return out
-  # indexer_topk: the XLA selection of precomputed (kernel) scores, in query chunks.
+  # indexer_topk / indexer_select: selections of precomputed (kernel) scores.
   bq, bk = min(indexer_gpu.DEFAULT_BLOCK_Q, t), min(indexer_gpu.DEFAULT_BLOCK_K, t)
   scores = jax.jit(lambda q0, q, k, w: indexer_gpu.index_scores_chunk(
       q0, q, k, w, block_q=bq, block_k=bk, interpret=interpret))(q0, q_bjcd, ki, wi)
-  c = min(chunk, t)
-
-  def topk(scores_bts):
-    n = t // c
-    sc = scores_bts.reshape(1, n, c, t).swapaxes(0, 1)
-    lim = indexer_reference.causal_limit(t, t).reshape(n, c)
-    return jax.lax.map(lambda a: indexer_reference.deterministic_topk(
-        a[0], a[1], shape["topk"]), (sc, lim))
-  out.append((dict(chunk_size=c), jax.jit(topk), (scores,)))
+  limit = indexer_reference.causal_limit(t, t)
+  if kernel == "indexer_select":
+    for block, bits, warps in dict.fromkeys((min(b, t), r, w) for b, r, w in INDEXER_SELECT):
+      if t % block:
+        continue
+      cfg = dict(block=block, radix_bits=bits, num_warps=warps)
+      fn = jax.jit(lambda x, l, block=block, bits=bits, warps=warps: selection_gpu.select_topk(
+          x, jnp.zeros_like(l), l, topk=shape["topk"], n_keys=t, block=block,
+          radix_bits=bits, num_warps=warps, interpret=interpret)[:, :, :shape["topk"]])
+      out.append((cfg, fn, (scores, limit[None])))
+    return out
+  out.append((dict(chunk_size=min(chunk, t)), jax.jit(functools.partial(
+      xla_topk, topk=shape["topk"], chunk=min(chunk, t))), (scores,)))
   return out
+
+
+def xla_topk(scores_bts, *, topk, chunk):
+  """deterministic_topk (XLA's top_k) of causal scores [1, t, t] in query chunks."""
+  t = scores_bts.shape[1]
+  n = t // chunk
+  sc = scores_bts.reshape(1, n, chunk, t).swapaxes(0, 1)
+  lim = indexer_reference.causal_limit(t, t).reshape(n, chunk)
+  idx = jax.lax.map(lambda a: indexer_reference.deterministic_topk(a[0], a[1], topk), (sc, lim))
+  return idx.swapaxes(0, 1).reshape(1, t, topk)
 
 
 def op_cost(kernel, shape, t, n_valid, dtype):
@@ -153,7 +198,7 @@ def op_cost(kernel, shape, t, n_valid, dtype):
   if kernel == "indexer_scores":
     c = roofline.cost("indexer", **dims)
     return roofline.Cost(c.flops, c.bytes + t * t * 4)     # + the score matrix written
-  return roofline.Cost(0.0, t * t * 4)                     # top-k: the scores read once
+  return roofline.Cost(0.0, t * t * 4)                     # selection: the scores read once
 
 
 def main(argv):
@@ -179,11 +224,13 @@ def main(argv):
         json.dump(dict(device=device, shape=_SHAPE.value, seq_len=t, peak_tflops=peak_tflops,
                        peak_gbs=peak_gbs, rows=rows), f, indent=1)
 
+  topk_indices = None         # indexer_topk's first result: indexer_select's reference
   for kernel in _KERNELS.value:
     cost = op_cost(kernel, shape, t, ops[2], dtype)
     floor_s = roofline.floor_seconds(cost, peak_tflops, peak_gbs)
-    first = None
-    for cfg, fn, args in configs_and_fns(kernel, shape, t, ops, _CHUNK.value, interpret):
+    first = topk_indices if kernel == "indexer_select" else None
+    configs = configs_and_fns(kernel, shape, t, ops, _CHUNK.value, interpret)
+    for cfg, fn, args in configs[:_MAX_CONFIGS.value or None]:
       row = dict(kernel=kernel, floor_seconds=floor_s, **cfg)
       try:
         secs = timing.median_time(fn, *args, repeats=_REPEATS.value)
@@ -192,6 +239,8 @@ def main(argv):
         if first is None:
           first = res
         row["vs_first"] = float(_rel_diff_jit(res, first))
+        if kernel == "indexer_topk" and topk_indices is None:
+          topk_indices = res
         del res
       except Exception as e:  # pylint: disable=broad-except
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"

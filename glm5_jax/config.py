@@ -6,6 +6,10 @@ Field names follow the Hugging Face `glm_moe_dsa` config (the released GLM-5 che
 
 Presets (`get_preset(name)`):
   glm5   the real 744B-A40B configuration (its released `config.json`).
+  mid    GLM-5's per-layer shapes (hidden 6144, 64 heads, MLA ranks, indexer, top-k 2048,
+         expert width) with 4 layers (1 dense + 3 MoE), 16 routed experts (8 per token), a
+         32K vocabulary and no MTP layer: 3.25B parameters, for one-accelerator benchmarks
+         (experiments/bench_train_mfu.py, bench_decode_step.py).
   small  a ~100M-parameter config for CPU benchmarks.
   tiny   a few-hundred-K-parameter config for CPU tests and the main job; its vocabulary (384,
          a multiple of 128) holds the byte tokenizer's 256 bytes and GLM's special tokens.
@@ -315,6 +319,9 @@ _BYTE_CHAT_TOKENS = dict(bos_token_id=258, eos_token_id=(256, 263, 265))
 
 _PRESETS: dict[str, dict[str, Any]] = {
     "glm5": {},
+    "mid": dict(vocab_size=32768, num_hidden_layers=4, first_k_dense_replace=1,
+                n_routed_experts=16, num_experts_per_tok=8, num_nextn_predict_layers=0,
+                mtp_num_steps=0),
     "small": dict(
         vocab_size=32768, hidden_size=512, intermediate_size=1536, moe_intermediate_size=256,
         num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=256,

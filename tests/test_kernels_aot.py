@@ -120,6 +120,21 @@ def test_small_model_training_gradient_compiles_with_pallas_on_a_v5e_mesh():
   assert compiled.as_text().count('custom_call_target="tpu_custom_call"') > 0
 
 
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v5p:2x2x1"])
+def test_selection_compiles_for_v5e_and_v5p_at_the_longest_context(topology):
+  # k = 2048 of s = 202,752 keys (GLM-5's max_position_embeddings), 256 query rows: the
+  # ops the kernel is built from (rolls, compare-adds, lane reductions, 0/1 matmuls, a 3-D
+  # VMEM scratch) all lay out in Mosaic, and its 13 MiB of scratch fits VMEM.
+  from experiments import aot_tpu_kernels  # pylint: disable=g-import-not-at-top
+  device = topologies.get_topology_desc(topology, "tpu").devices[0]
+  row = aot_tpu_kernels.selection_row(202752, SHAPE["topk"],
+                                      jax.sharding.SingleDeviceSharding(device))
+  assert row["ok"], row.get("error")
+  print(f"{device.device_kind}: selection VMEM declared {row['declared_vmem_bytes'] / 2 ** 20:.1f}"
+        f" MiB, compiles under {row['least_vmem_limit_mib']} MiB")
+  assert row["least_vmem_limit_mib"] * 2 ** 20 >= row["declared_vmem_bytes"]
+
+
 def test_gpu_kernels_fit_an_h200():
   # Triton's own compiler and ptxas for sm_90a on the IR JAX emits (GLM-5 shapes, seq 4096):
   # every kernel compiles and fits the 227 KiB of shared memory a block may use. The
@@ -127,9 +142,17 @@ def test_gpu_kernels_fit_an_h200():
   pytest.importorskip("triton")
   from experiments import aot_gpu_kernels  # pylint: disable=g-import-not-at-top
   kernels = {**aot_gpu_kernels.sparse_mla_modules(), **aot_gpu_kernels.indexer_modules()}
-  assert sorted(kernels) == ["lightning_indexer_scores", "sparse_mla_bwd", "sparse_mla_fwd"]
-  for name, (ttir, warps, stages) in kernels.items():
+  assert sorted(kernels) == ["lightning_indexer_scores", "lightning_indexer_select",
+                             "sparse_mla_bwd", "sparse_mla_fwd"]
+  # The selection at GLM-5's longest context, and the forward with two queries per program.
+  longest = aot_gpu_kernels.selection_modules()["lightning_indexer_select"]
+  pair = aot_gpu_kernels.sparse_fwd_modules(2, 32, 1)["sparse_mla_fwd"]
+  jobs = [(name, *v) for name, v in kernels.items()]
+  jobs += [("lightning_indexer_select", *longest), ("sparse_mla_fwd", *pair)]
+  for name, ttir, warps, stages in jobs:
     row = aot_gpu_kernels.compile_kernel(name, ttir, warps, stages)
     assert row["ok"], row["error"]
+    print(f"{name}: {warps} warps, {stages} stages, {row['registers']} registers, "
+          f"{row['shared']:,} B shared memory, spills {row['spill_stores']} B")
     assert row["shared"] <= aot_gpu_kernels.SMEM_LIMIT, row
     assert row["gpu_fences"] == 0, row      # dkv's atomics are relaxed (no MEMBAR.ALL.GPU)

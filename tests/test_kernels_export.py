@@ -8,7 +8,8 @@ the custom calls (libtpu's Mosaic, Triton's PTX backend) run in
 tests/test_kernels_aot.py, in the `aot` venv.
 
 Shapes are GLM-5's (docs/design.md §1): h=64, d_qk=576, v_dim=512, h_i=32, d_i=128,
-topk=2048, at a sequence length of 4096. Nothing runs, so this is fast.
+topk=2048, at a sequence length of 4096; the top-k selection also at GLM-5's longest
+context, 202,752 keys. Nothing runs, so this is fast.
 """
 
 import re
@@ -21,6 +22,7 @@ from pallas_kernels import lightning_indexer
 from pallas_kernels import sparse_attention
 from pallas_kernels import testing
 from pallas_kernels.lightning_indexer import kernel as indexer_kernel
+from pallas_kernels.sparse_attention import gpu as sparse_gpu
 
 SEQ = 4096
 H, D_QK, V_DIM = 64, 576, 512
@@ -29,6 +31,8 @@ H_I, D_I, TOPK = 32, 128, 2048
 TRITON_CALL = "__gpu$xla.gpu.triton"
 CUSTOM_CALL = {"tpu": "tpu_custom_call", "cuda": TRITON_CALL}
 NO_TRITON_CHECK = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
+INDEXER_KERNELS = ["lightning_indexer_scores", "lightning_indexer_select"]
+LONGEST = 202752                       # GLM-5's max_position_embeddings
 
 
 def _export(fn, platforms, *args):
@@ -75,7 +79,7 @@ def test_lightning_indexer_lowers(platform, t):
           jax.ShapeDtypeStruct((1, t, H_I), jnp.float32))
   f = lambda q, k, w: lightning_indexer.topk_indices(q, k, w, TOPK, impl="pallas")
   module = _export(f, [platform], *args)
-  assert _kernel_calls(module, platform) == ["lightning_indexer_scores"]
+  assert _kernel_calls(module, platform) == INDEXER_KERNELS
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
@@ -90,7 +94,7 @@ def test_ragged_shapes_lower(platform):
           jax.ShapeDtypeStruct((1, 4001, D_I), jnp.bfloat16),
           jax.ShapeDtypeStruct((1, 1000, H_I), jnp.float32))
   f = lambda q, k, w: lightning_indexer.topk_indices(q, k, w, TOPK, impl="pallas")
-  assert _kernel_calls(_export(f, [platform], *args), platform) == ["lightning_indexer_scores"]
+  assert _kernel_calls(_export(f, [platform], *args), platform) == INDEXER_KERNELS
 
 
 def _tpu_call_types(module: str):
@@ -139,3 +143,28 @@ def test_tpu_lowering_rejects_an_unaligned_tile():
   f = lambda q, k, w: indexer_kernel.topk_indices(q, k, w, 64, backend="tpu", block_k=8)
   with pytest.raises(ValueError, match="divisible by 8 and 128"):
     _export(f, ["tpu"], *args)
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_selection_lowers_at_the_longest_context(platform):
+  # The top-k selection alone: k = 2048 of s = 202,752 keys for a chunk of 256 queries,
+  # without sort, top_k or cumsum on TPU and without sort on Triton.
+  backend = {"tpu": "tpu", "cuda": "gpu"}[platform]
+  args = (jax.ShapeDtypeStruct((1, 256, LONGEST), jnp.float32),
+          jax.ShapeDtypeStruct((1, 256), jnp.int32), jax.ShapeDtypeStruct((1, 256), jnp.int32))
+  f = lambda scores, start, limit: indexer_kernel.select(backend, scores, start, limit, TOPK,
+                                                         LONGEST, False)
+  module = _export(f, [platform], *args)
+  assert _kernel_calls(module, platform) == ["lightning_indexer_select"]
+  assert "tensor<1x256x2048xi32>" in module
+
+
+def test_two_queries_per_program_forward_lowers_for_cuda():
+  q, kv, idx = _mla_args(SEQ)
+  kv_p = jax.ShapeDtypeStruct(kv.shape, kv.dtype)
+  n_live = jax.ShapeDtypeStruct((1, SEQ, 1), jnp.int32)
+  f = lambda q, kv, idx, n: sparse_gpu.sparse_mla_fwd(
+      q, kv, idx, n, v_dim=V_DIM, scale=D_QK ** -0.5, block_k=32, queries_per_program=2,
+      num_stages=1)
+  module = _export(f, ["cuda"], q, kv_p, idx, n_live)
+  assert _kernel_calls(module, "cuda") == ["sparse_mla_fwd"]

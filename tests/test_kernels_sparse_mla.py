@@ -20,6 +20,7 @@ import pytest
 from pallas_kernels import sparse_attention
 from pallas_kernels import testing
 from pallas_kernels.lightning_indexer import reference as indexer_reference
+from pallas_kernels.sparse_attention import gpu
 from pallas_kernels.sparse_attention import kernel
 from pallas_kernels.sparse_attention import reference
 
@@ -123,6 +124,26 @@ def test_forward_and_gradients_decode_with_indexer_selection(backend):
   idx = _indexer_topk(qi, ki, wi, 32)
   q, kv = testing.mla_inputs(14, b=2, t=1, s=26, h=2, d=24)
   _check_forward_and_gradients(backend, q, kv, idx, v_dim=16, rel=REL[jnp.float32])
+
+
+def test_gpu_forward_with_two_queries_per_program_matches_reference():
+  # queries_per_program=2: t = 7 is odd (an empty query pads the last pair), the two queries
+  # of a pair have different live block counts (query 0 has 5 slots, one block) and one
+  # query has no valid slot (out 0, lse -inf).
+  q, kv = testing.mla_inputs(20, b=2, t=7, s=40, h=3, d=24)
+  idx = testing.unique_indices(21, 2, 7, 40, 37, p_empty=0.2)
+  idx = idx.at[:, 0, 5:].set(-1).at[1, 3].set(-1)
+  bk, scale = BLOCK_K["gpu"], 24 ** -0.5
+  idx_b = kernel._blocked_indices(idx, bk)  # pylint: disable=protected-access
+  n_live = kernel._live_blocks(idx_b, bk)[..., None]  # pylint: disable=protected-access
+  q_p, kv_p = gpu.pad_operands(q, kv, 16)
+  out, lse = jax.jit(functools.partial(gpu.sparse_mla_fwd, v_dim=16, scale=scale, block_k=bk,
+                                       interpret=True, queries_per_program=2))(
+                                           q_p, kv_p, idx_b, n_live)
+  want_out, want_lse = _reference_fn(16, scale)(q, kv, idx)
+  testing.assert_rel_close(out[:, :, :3, :16], want_out, REL[jnp.float32], "out")
+  testing.assert_rel_close(lse[:, :, :3], want_lse, REL[jnp.float32], "lse")
+  assert np.all(np.asarray(out[1, 3]) == 0) and np.all(np.isneginf(np.asarray(lse[1, 3, :3])))
 
 
 def test_tpu_forward_and_gradients_with_duplicate_slots():

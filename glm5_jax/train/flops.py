@@ -47,7 +47,7 @@ flops_per_token(cfg, seq_len, stage), jax.device_count(), peak TFLOP/s of one ch
 
 from __future__ import annotations
 
-from glm5_jax.train import step as step_lib
+from glm5_jax.train import stages as step_lib
 
 KEYS = ("causal", "all")
 
@@ -133,7 +133,7 @@ def flops_per_token(cfg, seq_len: int, stage: str = "pretrain", *, backward: boo
   Args:
     cfg: ModelConfig (the stage's attention type is taken from `stage`).
     seq_len: tokens per row T.
-    stage: a row of `train.step.STAGE_TABLE` (which losses run, what trains).
+    stage: a row of `train.stages.STAGE_TABLE` (which losses run, what trains).
     backward: include the backward pass (the module docstring's multipliers).
     keys: "causal" (model FLOPs, MFU) or "all" (every key of the row; see docstring).
   """

@@ -30,7 +30,6 @@ add `loss_mask`, `rollout_logp`, `advantages` ([b] or [b, t]) and, for IcePop, `
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -49,39 +48,7 @@ from glm5_jax.nn import context_parallel as cp
 from glm5_jax.nn import layer_stack
 from glm5_jax.optim.param_groups import matrix_mask
 from glm5_jax.optim.param_groups import path_str
-
-
-@dataclasses.dataclass(frozen=True)
-class Stage:
-  attention: str          # "dense" | "sparse"
-  trains: str             # "all" | "all_but_indexer" | "indexer"
-  lm_loss: bool           # next-token CE + MTP
-  indexer_kl: bool        # the indexer's KL loss (dense in dense stages, sparse otherwise)
-  data: str = "corpus"    # the batch source: "corpus": tokenized documents (data/corpus.py);
-                          # "conversations": chat records with loss masks (data/sft.py);
-                          # "rollouts": the synchronous GRPO loop (rl/grpo.py); "streams":
-                          # the asynchronous rollout workers (rl/async_loop.py)
-  loss: str = "lm"        # a key of LOSSES
-
-
-STAGE_TABLE = {
-    "pretrain": Stage("dense", "all_but_indexer", lm_loss=True, indexer_kl=False),
-    "midtrain": Stage("dense", "all_but_indexer", lm_loss=True, indexer_kl=False),
-    "dsa_warmup": Stage("dense", "indexer", lm_loss=False, indexer_kl=True),
-    "dsa_sparse": Stage("sparse", "all", lm_loss=True, indexer_kl=True),
-    "sft": Stage("sparse", "all", lm_loss=True, indexer_kl=True, data="conversations"),
-    "rl": Stage("sparse", "all_but_indexer", lm_loss=False, indexer_kl=False, data="rollouts",
-                loss="icepop_grpo"),
-    "rl_async": Stage("sparse", "all_but_indexer", lm_loss=False, indexer_kl=False,
-                      data="streams", loss="double_sided_is"),
-}
-STAGES = tuple(STAGE_TABLE)
-
-
-def get_stage(stage: str) -> Stage:
-  if stage not in STAGE_TABLE:
-    raise ValueError(f"config.stage={stage!r}: expected one of {STAGES}")
-  return STAGE_TABLE[stage]
+from glm5_jax.train.stages import STAGE_TABLE, STAGES, Stage, get_stage  # noqa: F401
 
 
 @flax.struct.dataclass

@@ -1,5 +1,6 @@
-"""Dispatch for the lightning-indexer top-k: `impl="xla"` (chunked jnp reference) or
-`impl="pallas"` (Pallas score kernel); both select with `reference.deterministic_topk`.
+"""Dispatch for the lightning-indexer top-k: `impl="xla"` (chunked jnp reference, selecting
+with `reference.deterministic_topk`, i.e. XLA's top_k) or `impl="pallas"` (the Pallas
+score kernel, then the Pallas selection kernel, which makes the same ordered list).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def topk_indices(q, k, w, topk: int, *, impl: str = "xla", interpret: bool | Non
     k: [b, s, d_i] indexer keys, RoPE applied.
     w: [b, t, h_i] per-head weights.
     topk: slots per query.
-    impl: "xla" (chunked jnp) or "pallas" (TPU / GPU kernel).
+    impl: "xla" (chunked jnp) or "pallas" (TPU / GPU kernels: scores, selection).
     interpret: run the Pallas kernel in interpret mode (CPU tests); None: by
       lowering platform (the kernel on TPU / CUDA, the interpreter elsewhere).
     chunk_size: queries scored at once (both paths); peak memory O(b * chunk * s).

@@ -1,22 +1,23 @@
-"""Lightning-indexer top-k with a Pallas score kernel (`impl="pallas"`).
+"""Lightning-indexer top-k with Pallas kernels (`impl="pallas"`): scores, then selection.
 
 Steps, per chunk of c queries (`lax.map`, so peak memory is O(b * c * s)
 float32 and the full [t, s] score matrix never exists):
-  1. the Pallas kernel (`tpu.py` Mosaic, `gpu.py` Triton) computes the chunk's
-     scores tile by tile on chip. Causal (no `limit`): query i sits at absolute
-     position s - t + i, the chunk's first position `q0` goes to the kernel and
-     tiles wholly after the chunk's last query are skipped (-inf). Explicit
-     `limit` ([t] or [b, t]): q0 is set past the last key, so no tile is
-     skipped and every key is scored;
-  2. `reference.deterministic_topk` (the one selection function: descending
-     score, ties -> lower key position, -1 fill; a query sees keys
-     start <= j <= limit) reduces them to the top-k of each query. The causal
-     limit, an explicit limit and the document `start` are all applied here.
-Because step 2 is the reference's own function, the selection equals
-`topk_indices_reference` whenever the scores are equal; they are computed by the
-same products summed in a different order, so they agree to float32 rounding
-(exactly, for inputs whose sums are exact, such as the tied-score tests), and
-the kernel is bit-reproducible run to run.
+  1. the score kernel (`tpu.py` Mosaic, `gpu.py` Triton) computes the chunk's
+     scores tile by tile on chip and writes them, float32 [b, c, s], to HBM.
+     Causal (no `limit`): query i sits at absolute position s - t + i, the
+     chunk's first position `q0` goes to the kernel and tiles wholly after the
+     chunk's last query are skipped (-inf). Explicit `limit` ([t] or [b, t]):
+     q0 is set past the last key, so no tile is skipped and every key is scored;
+  2. the selection kernel (`selection_tpu.py`, `selection_gpu.py`; the steps in
+     `selection.py`) reads them back and writes each query's top-k: the keys
+     start <= j <= limit with the largest scores, descending, ties -> lower j,
+     -1 fill, NaN and -inf hidden: `reference.deterministic_topk`'s list, made
+     without a sort (a radix threshold, a compaction and a bitonic network). The
+     causal limit, an explicit limit and the document `start` are applied here.
+The selection equals `topk_indices_reference`'s whenever the scores are equal;
+they are computed by the same products summed in a different order, so they
+agree to float32 rounding (exactly, for inputs whose sums are exact, such as the
+tied-score tests), and the kernels are bit-reproducible run to run.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import jax.numpy as jnp
 from pallas_kernels import _backend
 from pallas_kernels.lightning_indexer import gpu
 from pallas_kernels.lightning_indexer import reference
+from pallas_kernels.lightning_indexer import selection_gpu
+from pallas_kernels.lightning_indexer import selection_tpu
 from pallas_kernels.lightning_indexer import tpu
 
 DEFAULT_CHUNK = 256
@@ -60,7 +63,37 @@ def _scores_fn(backend: str, block_q: int, block_k: int, interpret):
                            interpret=interpret)
 
 
-def _topk_one_backend(backend, topk, chunk_size, block_q, block_k, interpret, causal,
+def select(backend: str, scores_bcs, start_bc, limit, topk: int, n_keys: int, interpret):
+  """int32 [b, c, topk]: the selection kernel of `backend` over scores [b, c, >= n_keys].
+
+  `limit` is int32 [c] (every row alike) or [b, c]; scores past n_keys are
+  padding. Pads rows and keys to the kernel's multiples (nothing, at GLM-5 shapes
+  with the default score tiles).
+  """
+  b, c, s_k = scores_bcs.shape
+  limit_bc = jnp.broadcast_to(limit, (b, c)).astype(jnp.int32)
+  if backend == "tpu":
+    rows = selection_tpu.ROWS
+    s_p = max(selection_tpu.padded_topk(topk), -(-s_k // 128) * 128)
+    select_fn = functools.partial(selection_tpu.select_topk, interpret=interpret)
+  else:
+    rows = 1
+    block = min(selection_gpu.BLOCK, _backend.next_pow2(s_k, selection_gpu.MIN_DIM))
+    s_p = -(-s_k // block) * block
+    select_fn = functools.partial(selection_gpu.select_topk, block=block,
+                                  interpret=_backend.gpu_interpret(interpret))
+  # s_p >= s_k: padding to a multiple of s_p pads to s_p.
+  scores = _backend.pad_to(_backend.pad_to(scores_bcs, 2, s_p, -jnp.inf), 1, rows, -jnp.inf)
+  start = _backend.pad_to(start_bc.astype(jnp.int32), 1, rows)
+  limit_bc = _backend.pad_to(limit_bc, 1, rows, -1)
+  idx = select_fn(scores, start, limit_bc, topk=topk, n_keys=n_keys)
+  return idx[:, :c, :topk]
+
+
+SELECTIONS = ("kernel", "top_k")
+
+
+def _topk_one_backend(backend, topk, chunk_size, block_q, block_k, interpret, causal, selection,
                       q, k, w, start, limit):
   """One backend's top-k; `limit` is int32 [t] or [b, t] (`causal`: it is `causal_limit`)."""
   b, t, h_i, d = q.shape
@@ -88,8 +121,10 @@ def _topk_one_backend(backend, topk, chunk_size, block_q, block_k, interpret, ca
 
   def one_chunk(args):
     q_bjcd, w_bcj, limit, q0, start_bc = args
-    scores_bcs = scores_fn(q0, q_bjcd, k_p, w_bcj)[:, :, :s]
-    return reference.deterministic_topk(scores_bcs, limit, topk, start_bc)
+    scores_bcs = scores_fn(q0, q_bjcd, k_p, w_bcj)                  # [b, c, s + pad]
+    if selection == "top_k":                                         # XLA's (the baseline)
+      return reference.deterministic_topk(scores_bcs[:, :, :s], limit, topk, start_bc)
+    return select(backend, scores_bcs, start_bc, limit, topk, s, interpret)
 
   idx = jax.lax.map(one_chunk, (q_c, w_c, limit_c, q0_c, start_c))   # [n, b, c, topk]
   return idx.swapaxes(0, 1).reshape(b, n_chunks * c, topk)[:, :t]
@@ -97,7 +132,8 @@ def _topk_one_backend(backend, topk, chunk_size, block_q, block_k, interpret, ca
 
 def topk_indices(q, k, w, topk: int, *, start=None, interpret=False,
                  backend: str | None = None, chunk_size: int = DEFAULT_CHUNK,
-                 block_q: int | None = None, block_k: int | None = None, limit=None):
+                 block_q: int | None = None, block_k: int | None = None, limit=None,
+                 selection: str = "kernel"):
   """Top-k key positions per query by lightning-indexer score (Pallas scores).
 
   Args:
@@ -117,6 +153,8 @@ def topk_indices(q, k, w, topk: int, *, start=None, interpret=False,
     limit: optional int32 [t] or [b, t], last key each query may see (default
       causal, s - t + i). Given, every score tile is computed (no causal
       skipping) and the limit is applied in the selection, as in the reference.
+    selection: "kernel" (the selection kernel) or "top_k" (XLA's top_k on the
+      kernel's scores, `reference.deterministic_topk`: the baseline it replaced).
 
   Returns:
     int32 [b, t, topk], as `reference.topk_indices_reference`. The selection
@@ -124,6 +162,8 @@ def topk_indices(q, k, w, topk: int, *, start=None, interpret=False,
     no JVP rule, and the model differentiates through the layer that calls this).
   """
   _backend.check_backend(backend, "topk_indices")
+  if selection not in SELECTIONS:
+    raise ValueError(f"topk_indices: selection={selection!r}, expected one of {SELECTIONS}")
   q, k, w = jax.lax.stop_gradient((q, k, w))
   if chunk_size < 1:
     raise ValueError(f"topk_indices: chunk_size={chunk_size}, expected a positive int")
@@ -133,5 +173,5 @@ def topk_indices(q, k, w, topk: int, *, start=None, interpret=False,
   limit = (reference.causal_limit(t, k.shape[1]) if causal
            else jnp.asarray(limit).astype(jnp.int32))
   make = lambda name, interp: functools.partial(_topk_one_backend, name, topk, chunk_size,
-                                                block_q, block_k, interp, causal)
+                                                block_q, block_k, interp, causal, selection)
   return _backend.dispatch(make, backend, interpret, q, k, w, start, limit)

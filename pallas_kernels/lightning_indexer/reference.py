@@ -19,7 +19,11 @@ keys start[b, i] <= j <= limit[b, i], and sees nothing when start > limit.
 Determinism: the selection is ordered by descending score, ties broken by the
 LOWER key position, and slots beyond the number of visible keys hold -1.
 `deterministic_topk` is the one function that implements this rule and the
-visibility window; the trainer, the rollout engine and every kernel use it.
+visibility window; the trainer, the rollout engine and every kernel match it.
+The order is `lax.top_k`'s total order on float32: -0.0 ranks below +0.0 (they
+are not a tie), +inf above every finite score. A NaN or -inf score makes its key
+invisible, like a key outside the window: it is never selected and the -1 tail
+takes its place.
 
 `topk_indices_reference` processes queries in chunks (`lax.map`), so peak
 memory is O(b * chunk * s), never the full [t, s] score matrix.
@@ -49,8 +53,8 @@ def deterministic_topk(scores_bts, limit, topk: int, start_bt=None):
   """Top-k over keys start[b, i] <= j <= limit[(b,) i], ties -> lower j, -1 where fewer exist.
 
   Args:
-    scores_bts: [b, t, s] float scores (finite on visible keys; any value,
-      -inf included, on invisible ones).
+    scores_bts: [b, t, s] float scores; any value on invisible keys. A NaN or
+      -inf score hides its key (never selected, as if outside the window).
     limit: int32 [t] (every row alike; e.g. `causal_limit`) or [b, t] (per
       row), the last visible key per query.
     topk: number of slots.
@@ -58,7 +62,9 @@ def deterministic_topk(scores_bts, limit, topk: int, start_bt=None):
       documents: the query's document start); default 0.
 
   Returns:
-    int32 [b, t, topk] key positions, descending score.
+    int32 [b, t, topk] key positions, descending score (lax.top_k's order:
+    -0.0 below +0.0), ties -> lower position, then -1 for every slot beyond
+    the number of visible keys with a score that is neither NaN nor -inf.
   """
   s = scores_bts.shape[-1]
   pos_s = jnp.arange(s, dtype=jnp.int32)
@@ -68,7 +74,9 @@ def deterministic_topk(scores_bts, limit, topk: int, start_bt=None):
     visible = pos_s[None, None, :] <= limit[..., None]
   if start_bt is not None:
     visible = visible & (pos_s[None, None, :] >= start_bt[..., None])
-  masked = jnp.where(visible, scores_bts.astype(jnp.float32), -jnp.inf)
+  scores = scores_bts.astype(jnp.float32)
+  # lax.top_k ranks NaN above +inf: a NaN key is hidden here, or it would take slot 0.
+  masked = jnp.where(visible & ~jnp.isnan(scores), scores, -jnp.inf)
   k_eff = min(topk, s)
   # lax.top_k is stable: among equal values the lower index comes first.
   vals, idx = jax.lax.top_k(masked, k_eff)

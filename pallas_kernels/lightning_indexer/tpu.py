@@ -63,7 +63,7 @@ def index_scores_chunk(q0, q_bjcd, k_bsd, w_bcj, *, block_q: int, block_k: int,
 
   Returns:
     float32 [b, c, s]: I on live tiles, -inf on causal-dead tiles (the
-    remaining non-causal entries are masked by `deterministic_topk`).
+    remaining non-causal entries are masked by the selection).
   """
   b, h_i, c, d = q_bjcd.shape
   s = k_bsd.shape[1]

@@ -24,6 +24,16 @@ before the loop, and stays in shared memory (GLM-5 shapes: 221,440 B, 204 B of
 spill stores at 2 stages of gathered rows). Timed on an H200 (docs/benchmarks.md): 3 stages
 of bk = 64 rows on 8 warps, the default, 38.9 ms at 32K tokens (36.9% of the roofline floor);
 bk = 128 at 1 stage 38.3 ms; 2 stages 40.4 ms; 4 or 16 warps 2-6x slower.
+Option `queries_per_program=2` (grid (b, t / 2)): two queries per program, each with
+its own softmax state, one loop over both queries' blocks, so that the gathers of
+one overlap the other's math (FlashMLA's sparse prefill splits the 576 columns over
+two warpgroups instead, which Pallas Triton cannot express). It keeps two resident
+q and two blocks of rows, and two [hp, vp] float32 accumulators in registers. For sm_90a
+(`experiments/aot_gpu_kernels.py --variants`, 8 warps): bk = 32 at 1 stage 184,320 B of
+shared memory, bk = 16 at 2 stages 221,312 B, bk = 64 at 1 stage 221,184 B (bk = 32 at 2
+stages does not fit), each spilling 2.5-4 KB of registers (the default: 204 B).
+`experiments/tune_gpu_kernels.py` times these against the default, which stays one query
+per program until a device has.
 
 Backward, grid (b, t), one program per query, no recomputation beyond p:
   [q_v; do]                [2hp, v]   stacked by the caller (`stack_q_do`), loaded once
@@ -96,6 +106,7 @@ DEFAULT_BLOCK_K = 64      # slots per loop step
 MIN_DIM = 16              # tl.dot needs M, N, K >= 16
 NUM_WARPS = 8
 FWD_STAGES = 3            # software pipelining of the forward's gathers (H200 sweep)
+FWD_QUERIES = 1           # queries per forward program (2: not yet timed on a device)
 BWD_STAGES = 1            # the backward's resident [q_v; do] leaves no room for a 2nd stage
 BWD_CHUNK = 128           # value columns per backward dkv tile (and dq accumulator)
 
@@ -160,16 +171,24 @@ def _per_batch(*shape):
 
 
 def _fwd_kernel(nlive_ref, idx_ref, q_ref, kv_ref, out_ref, lse_ref, *, scale, vp, tp,
-                block_k, precision):
-  hp = q_ref.shape[0]
-  q_v = q_ref[:, pl.ds(0, vp)]                       # [hp, vp]
-  q_t = q_ref[:, pl.ds(vp, tp)] if tp else None      # [hp, tp]
+                block_k, precision, queries):
+  """`queries` queries per program, each with its own softmax state (m, l, acc).
 
-  def body(kb, carry):
+  queries = 1: the refs are one query's blocks. queries = 2: they lead with a
+  [2] query axis; one loop runs to the longer query's last live block (the
+  shorter one's extra blocks are all -1, masked out) and gathers both queries'
+  rows per step, so that one query's gather can overlap the other's math.
+  """
+  at = [()] if queries == 1 else [(i,) for i in range(queries)]
+  hp = q_ref.shape[-2]
+  q_v = [q_ref[i + (slice(None), pl.ds(0, vp))] for i in at]            # [hp, vp] each
+  q_t = [q_ref[i + (slice(None), pl.ds(vp, tp))] if tp else None for i in at]
+
+  def update(i, kb, carry):
     m_prev, l_prev, acc = carry
-    idx_k = idx_ref[pl.ds(kb * block_k, block_k)]
+    idx_k = idx_ref[at[i] + (pl.ds(kb * block_k, block_k),)]
     valid = idx_k >= 0
-    s, rows_v = _scores(q_v, q_t, kv_ref, jnp.where(valid, idx_k, 0), vp, tp, scale,
+    s, rows_v = _scores(q_v[i], q_t[i], kv_ref, jnp.where(valid, idx_k, 0), vp, tp, scale,
                         precision)
     s = jnp.where(valid[None, :], s, -jnp.inf)
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
@@ -180,17 +199,31 @@ def _fwd_kernel(nlive_ref, idx_ref, q_ref, kv_ref, out_ref, lse_ref, *, scale, v
     acc = alpha[:, None] * acc + nn_dot(p.astype(rows_v.dtype), rows_v, precision)
     return m_new, l_new, acc
 
+  def body(kb, carries):
+    return tuple(update(i, kb, c) for i, c in enumerate(carries))
+
   init = (jnp.full((hp,), -jnp.inf, jnp.float32), jnp.zeros((hp,), jnp.float32),
           jnp.zeros((hp, vp), jnp.float32))
-  m, l, acc = jax.lax.fori_loop(0, nlive_ref[0], body, init)
-  has = l > 0.0
-  l_safe = jnp.where(has, l, 1.0)
-  out_ref[...] = (acc * jnp.where(has, 1.0 / l_safe, 0.0)[:, None]).astype(out_ref.dtype)
-  lse_ref[...] = jnp.where(has, m + jnp.log(l_safe), -jnp.inf)
+  n_live = nlive_ref[at[0] + (0,)]
+  for i in at[1:]:
+    n_live = jnp.maximum(n_live, nlive_ref[i + (0,)])
+  carries = jax.lax.fori_loop(0, n_live, body, (init,) * queries)
+  for i, (m, l, acc) in zip(at, carries):
+    has = l > 0.0
+    l_safe = jnp.where(has, l, 1.0)
+    out_ref[i] = (acc * jnp.where(has, 1.0 / l_safe, 0.0)[:, None]).astype(out_ref.dtype)
+    lse_ref[i] = jnp.where(has, m + jnp.log(l_safe), -jnp.inf)
+
+
+def _per_program(queries: int, *shape):
+  """BlockSpec of `queries` queries' [*shape] blocks of a [b, t, *shape] operand, grid (b, t / queries)."""
+  if queries == 1:
+    return _per_query(*shape)
+  return pl.BlockSpec((None, queries) + shape, lambda i, j: (i, j) + (0,) * len(shape))
 
 
 def sparse_mla_fwd(q, kv, idx_btk, nlive_bt1, *, v_dim, scale, block_k, interpret=False,
-                   num_warps=NUM_WARPS, num_stages=FWD_STAGES):
+                   num_warps=NUM_WARPS, num_stages=FWD_STAGES, queries_per_program=FWD_QUERIES):
   """Forward kernel on padded operands (see `pad_operands`).
 
   Args:
@@ -200,27 +233,38 @@ def sparse_mla_fwd(q, kv, idx_btk, nlive_bt1, *, v_dim, scale, block_k, interpre
     v_dim: unpadded value width (vp and tp follow from it).
     block_k: bk, a power of two >= 16.
     num_warps, num_stages: Triton compile options (`experiments/tune_gpu_kernels.py`).
+    queries_per_program: 1 or 2 queries per program, each with its own softmax
+      state (2: t is padded to even with empty queries, sliced off again).
 
   Returns:
     out [b, t, hp, vp] (q.dtype), lse [b, t, hp] float32.
   """
+  if queries_per_program not in (1, 2):
+    raise ValueError(f"sparse_mla_fwd: queries_per_program={queries_per_program}, expected "
+                     "1 or 2")
   b, t, hp, dp = q.shape
   vp = _backend.next_pow2(v_dim, MIN_DIM)
   tp = dp - vp
+  qp = queries_per_program
+  if t % qp:      # an empty query: no live block, out 0, lse -inf
+    q, idx_btk = _backend.pad_to(q, 1, qp), _backend.pad_to(idx_btk, 1, qp, -1)
+    nlive_bt1 = _backend.pad_to(nlive_bt1, 1, qp)
   kernel = functools.partial(_fwd_kernel, scale=scale, vp=vp, tp=tp, block_k=block_k,
-                             precision=_backend.dot_precision(q.dtype))
-  return pl.pallas_call(
+                             precision=_backend.dot_precision(q.dtype), queries=qp)
+  t_p = q.shape[1]
+  out, lse = pl.pallas_call(
       kernel,
-      grid=(b, t),
-      in_specs=[_per_query(1), _per_query(idx_btk.shape[-1]), _per_query(hp, dp),
-                _per_batch(kv.shape[1], dp)],
-      out_specs=[_per_query(hp, vp), _per_query(hp)],
-      out_shape=[jax.ShapeDtypeStruct((b, t, hp, vp), q.dtype),
-                 jax.ShapeDtypeStruct((b, t, hp), jnp.float32)],
+      grid=(b, t_p // qp),
+      in_specs=[_per_program(qp, 1), _per_program(qp, idx_btk.shape[-1]),
+                _per_program(qp, hp, dp), _per_batch(kv.shape[1], dp)],
+      out_specs=[_per_program(qp, hp, vp), _per_program(qp, hp)],
+      out_shape=[jax.ShapeDtypeStruct((b, t_p, hp, vp), q.dtype),
+                 jax.ShapeDtypeStruct((b, t_p, hp), jnp.float32)],
       compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=_backend.gpu_interpret(interpret),
       name="sparse_mla_fwd",
   )(nlive_bt1, idx_btk, q, kv)
+  return (out, lse) if t_p == t else (out[:, :t], lse[:, :t])
 
 
 # -------------------------------------------------------------------------- backward
