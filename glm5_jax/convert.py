@@ -2,6 +2,7 @@
 
     hf_to_workdir(hf_dir, workdir, mesh=mesh)    # each process reads only its own shards
     workdir_to_hf(workdir, hf_dir, mesh=mesh)    # restored sharded, written tensor by tensor
+    quantize_to_hf(hf_dir_or_workdir, int4_dir)  # INT4 HF checkpoint (glm5_jax/hf_int4.py)
 
 A workdir is what `glm5_jax/train/checkpoint.py` `save_params` writes
 (model_config.json + checkpoints/<step>/state holding {"params": ...}, orbax's
@@ -18,8 +19,10 @@ import jax
 
 from glm5_jax import hf
 from glm5_jax import nn as gnn
+from glm5_jax import quant
 from glm5_jax import sharding
 from glm5_jax.config import ModelConfig
+from glm5_jax.optim.param_groups import QUANT_TARGETS
 from glm5_jax.train import checkpoint
 from glm5_jax.train import workdir as workdir_lib
 
@@ -50,6 +53,11 @@ def hf_to_workdir(hf_dir: str, workdir: str, *, mesh=None, rules=None, step: int
                   **config_overrides) -> str:
   """Writes the HF checkpoint as a workdir, holding the workdir's lock (train/workdir.py)."""
   check_paths(hf_dir, workdir)
+  if hf.quantization(hf_dir):
+    raise ValueError(f"--src={hf_dir!r} is an INT4 checkpoint (config.json quantization_config: "
+                     f"{hf.quantization(hf_dir)}); a workdir holds float weights: convert the "
+                     "float checkpoint it came from (the engine serves the INT4 one: "
+                     "hf.load_pretrained(path, quantized=True))")
   with (workdir_lib.lock(workdir) if jax.process_index() == 0 else contextlib.nullcontext()):
     cfg, params = hf.load_pretrained(hf_dir, mesh=mesh, rules=rules, **config_overrides)
     return checkpoint.save_params(workdir, cfg, params, step=step)
@@ -80,3 +88,43 @@ def workdir_to_hf(workdir: str, hf_dir: str, *, mesh=None, rules=None,
 
 def is_hf_dir(path: str) -> bool:
   return os.path.exists(os.path.join(path, "config.json"))
+
+
+QUANTIZE_FORMATS = ("int4",)          # what an HF checkpoint stores quantized (hf_int4.py)
+
+
+def quantize_to_hf(src: str, dst: str, *, quantize: str = "int4", targets: str = "experts",
+                   group_size: int = 32, mesh=None, rules=None,
+                   max_shard_bytes: int = 5 * 2**30) -> str:
+  """Writes the float checkpoint `src` (an HF directory or a workdir) as an INT4 HF directory.
+
+  The weights of the target group `targets` (optim/param_groups.QUANT_TARGETS) are quantized
+  by `quant.quantize_tree` with `group_size` values per scale: the quantizer INT4 QAT trains
+  through (`config.qat`), so a QAT model's INT4 checkpoint holds bitwise the weights its
+  training forward used. Errors name the flag (--quantize, --quantize_targets,
+  --quantize_group_size, --src) before any weight is read.
+  """
+  check_paths(src, dst)
+  if quantize not in QUANTIZE_FORMATS:
+    raise ValueError(f"--quantize={quantize!r}: expected one of {QUANTIZE_FORMATS}")
+  if targets not in QUANT_TARGETS:
+    raise ValueError(f"--quantize_targets={targets!r}: expected one of {tuple(QUANT_TARGETS)}")
+  if is_hf_dir(src) and hf.quantization(src):
+    raise ValueError(f"--src={src!r} is already quantized (config.json quantization_config: "
+                     f"{hf.quantization(src)}); quantize the float checkpoint it came from")
+  cfg = checkpoint.model_config_of(src, "--src")
+  scheme = quant.Scheme(quantize, group_size, targets)
+  try:
+    quant.check_tree(gnn.abstract_params(cfg)[0], scheme)
+  except ValueError as e:
+    raise ValueError(f"--quantize_group_size={group_size!r} (--quantize_targets={targets}): "
+                     f"{e}") from None
+  if is_hf_dir(src):
+    cfg, params = hf.load_pretrained(src, mesh=mesh, rules=rules)
+  elif mesh is None:
+    cfg, params = checkpoint.load_model(src, what="--src")
+  else:
+    cfg, params = restore_sharded(src, mesh, rules)
+  params = jax.jit(quant.quantize_tree, static_argnums=1)(params, scheme)
+  hf.save_pretrained(cfg, params, dst, max_shard_bytes=max_shard_bytes)
+  return dst

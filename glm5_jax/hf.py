@@ -10,6 +10,8 @@ expert layout (`mlp.experts.gate_up_proj [E, 2I, d]`, `mlp.experts.down_proj
     cfg, params = load_pretrained("path/to/dir")                   # one host-side tree
     cfg, params = load_pretrained("path/to/dir", mesh=mesh)        # global arrays, sharded
     save_pretrained(cfg, params, "out_dir")      # transformers loads it
+    save_pretrained(cfg, quant.quantize_tree(params, scheme), "int4_dir")   # INT4 (hf_int4.py)
+    cfg, qparams = load_pretrained("int4_dir", quantized=True)     # QArray leaves, packed
 
 Every parameter leaf is a table of *views* of HF tensors: leaf[lead] =
 HF.reshape(split)[box].transpose(perm), `lead` the stacked `layers` axis (and the
@@ -75,6 +77,19 @@ def _same(*shape) -> _View:
 def _t(out: int, inp: int) -> _View:
   """torch Linear [out, in] -> ours [in, out]."""
   return _view([(out,), (inp,)], (1, 0))
+
+
+def _stored_view(v: _View, n_in: int) -> _View:
+  """The view of a quantized weight's stored tensor [out, n_in] (packed words, scales;
+  hf_int4.py) whose float weight has view `v`: ours [n_in, *out axes], the reduction axes
+  flattened into one. `v` must map HF [out, in] to ours [*in split axes, *out split axes]
+  with `in` whole (every quantization target's view does)."""
+  k = len(v.groups[0])
+  n_red = len(v.groups[1]) if len(v.groups) == 2 else 0
+  if (len(v.groups) != 2 or tuple(v.perm) != tuple(range(k, k + n_red)) + tuple(range(k))
+      or v.box[k:] != tuple((0, s) for s in v.groups[1])):
+    raise AssertionError(f"view {v} is not a torch Linear [out, in] seen as [in, out]")
+  return _View((v.groups[0], (n_in,)), v.box[:k] + ((0, n_in),), (k,) + tuple(range(k)))
 
 
 class _Entry(NamedTuple):
@@ -254,22 +269,27 @@ def _tensor_infos(path: str) -> dict[str, sio.TensorInfo]:
   return infos
 
 
-def _check_tensors(hf_cfg: dict, leaves, infos) -> None:
-  """Every tensor a float of the shape its view expects; errors name file, tensor, field."""
-  want = {name: v.hf_shape for t in leaves.values() for name, v in t.flat}
+def _wanted(tables, dtypes=sio.FLOAT_DTYPES) -> dict:
+  """{HF name: (shape, allowed safetensors dtypes)} of the tensors of leaf `tables`."""
+  return {name: (v.hf_shape, dtypes) for t in tables for name, v in t.flat}
+
+
+def _check_tensors(hf_cfg: dict, want: dict, infos) -> None:
+  """Every tensor of `want` ({name: (shape, dtypes)}) of that shape and one of those dtypes;
+  errors name file, tensor, field."""
   problems = []
   for name in sorted(want):
-    info = infos[name]
-    if info.dtype not in sio.FLOAT_DTYPES:
+    info, (shape, dtypes) = infos[name], want[name]
+    if info.dtype not in dtypes:
       problems.append(f"{info.file}: tensor {name!r} has dtype {info.dtype}; expected one of "
-                      f"{sio.FLOAT_DTYPES}")
-    elif info.shape != want[name]:
+                      f"{dtypes}")
+    elif info.shape != shape:
       hint = "".join(
           f"; dim {k} is {g}, config.json gives {w}"
           f" ({', '.join(f for f, x in hf_cfg.items() if x == w) or 'a product of fields'})"
-          for k, (g, w) in enumerate(zip(info.shape, want[name])) if g != w)
+          for k, (g, w) in enumerate(zip(info.shape, shape)) if g != w)
       problems.append(f"{info.file}: tensor {name!r} has shape {list(info.shape)}, config.json "
-                      f"implies {list(want[name])}{hint}")
+                      f"implies {list(shape)}{hint}")
   if problems:
     raise ValueError("checkpoint does not fit its config: " + " | ".join(problems[:10]))
 
@@ -313,14 +333,78 @@ def _config_and_tensors(path: str, overrides: dict):
   return hf_cfg, cfg, infos
 
 
+def quantization(path: str) -> str | None:
+  """What INT4 quantization `path`'s config.json states (one line, hf_int4.py), or None for
+  a float checkpoint; from config.json alone."""
+  from glm5_jax import hf_int4  # pylint: disable=g-import-not-at-top
+  file = os.path.join(path, "config.json")
+  hf_cfg, _ = _read_config(path, {})
+  return None if hf_int4.read_group_size(hf_cfg, file) is None else hf_int4.describe(hf_cfg)
+
+
 def read_config(path: str, **config_overrides) -> ModelConfig:
   """The ModelConfig `load_pretrained(path)` returns, from config.json and the safetensors
   headers alone (no tensor is read)."""
   return _config_and_tensors(path, config_overrides)[1]
 
 
+def _quantized_leaves(leaves, infos, path: str) -> set:
+  """Paths of the leaves whose HF tensors are stored INT4 (`X.weight_packed`); a ValueError
+  for a leaf stored partly quantized (an HF tensor is quantized whole, a leaf's tensors alike)."""
+  from glm5_jax import hf_int4  # pylint: disable=g-import-not-at-top
+  out = set()
+  for p, t in leaves.items():
+    names = [n for n, _ in t.flat]
+    packed = [n.endswith(".weight") and hf_int4.stored_name(n, "weight_packed") in infos
+              for n in names]
+    if any(packed) and not all(packed):
+      raise ValueError(f"{path}: {'/'.join(p)} is stored partly INT4: "
+                       f"{[n for n, q in zip(names, packed) if q][:3]} quantized, "
+                       f"{[n for n, q in zip(names, packed) if not q][:3]} not")
+    if all(packed):
+      out.add(p)
+  return out
+
+
+def _stored_tables(table: np.ndarray, group_size: int, file: str) -> dict:
+  """{suffix: table of (HF name, view)} of a quantized leaf's stored tensors (hf_int4.py)."""
+  from glm5_jax import hf_int4  # pylint: disable=g-import-not-at-top
+  out = {s: np.empty(table.shape, object) for s in hf_int4.SUFFIXES}
+  for idx in np.ndindex(*table.shape):
+    name, v = table[idx]
+    n_in = v.hf_shape[1]
+    if n_in % group_size or n_in % hf_int4.PER_WORD:
+      raise ValueError(f"{file}: quantization_config group_size={group_size} and "
+                       f"{hf_int4.PER_WORD} values per int32 word must divide the `in` "
+                       f"dimension of {name!r}, {n_in}")
+    out["weight_packed"][idx] = (hf_int4.stored_name(name, "weight_packed"),
+                                 _stored_view(v, n_in // hf_int4.PER_WORD))
+    out["weight_scale"][idx] = (hf_int4.stored_name(name, "weight_scale"),
+                                _stored_view(v, n_in // group_size))
+    out["weight_shape"][idx] = (hf_int4.stored_name(name, "weight_shape"), _same(2))
+  return out
+
+
+def _check_weight_shapes(float_table, stored, infos) -> None:
+  """Every `X.weight_shape` holds the [out, in] that config.json implies."""
+  for (_, v), (name, _) in zip(float_table.flat, stored["weight_shape"].flat):
+    got = sio.read_rows(infos[name], 0, 2).tolist()
+    if got != list(v.hf_shape):
+      raise ValueError(f"{infos[name].file}: tensor {name!r} holds {got}, config.json "
+                       f"implies [out, in] = {list(v.hf_shape)}")
+
+
+def _read_stored(table, infos, lead_box, dtype, path) -> np.ndarray:
+  """A quantized leaf's stored tensor (words or scales) for the leading axes `lead_box`:
+  [*lead, n_in, O] (the output axes flattened)."""
+  v = table.flat[0][1]
+  x = _read_block(table, infos, list(lead_box) + [(0, n) for n in v.shape], dtype, path)
+  return x.reshape(x.shape[:table.ndim + 1] + (-1,))
+
+
 def load_pretrained(path: str, *, param_dtype: str | None = None, to_device: bool = True,
-                    mesh=None, rules=None, **config_overrides) -> tuple[ModelConfig, dict]:
+                    mesh=None, rules=None, quantized: bool = False, dequantize: bool = False,
+                    **config_overrides) -> tuple[ModelConfig, dict]:
   """Reads `config.json` + safetensors from `path` into (ModelConfig, params).
 
   Args:
@@ -330,43 +414,93 @@ def load_pretrained(path: str, *, param_dtype: str | None = None, to_device: boo
       float32). Router weights and the routing bias stay float32.
     to_device: without `mesh`, return jax arrays (True) or numpy arrays.
     mesh: a `jax.sharding.Mesh` (glm5_jax/sharding.py): return global arrays in the
-      model's shardings; each process reads only the blocks its devices hold.
+      model's shardings; each process reads only the blocks its devices hold. INT4
+      weights (`quantized`) are sharded over their batch axes (layers, experts) only.
     rules: logical-axis rules for `mesh` (default `sharding.DEFAULT_RULES`).
+    quantized: an INT4 checkpoint (config.json `quantization_config`, glm5_jax/hf_int4.py):
+      its quantized weights as `quant.QArray` leaves, packed (what the engine serves).
+    dequantize: an INT4 checkpoint's quantized weights as float (`quant.dequantize` of the
+      packed ones, bitwise); a float checkpoint loads as it is.
     **config_overrides: ModelConfig fields to override (e.g. mtp_num_steps).
 
   Raises:
     ValueError: wrong model_type, a broken config.json or safetensors file, missing
       or unexpected tensors, wrong shapes or dtypes, non-finite values; each names
-      the file and the tensor or field.
+      the file and the tensor or field. An INT4 checkpoint without `quantized` or
+      `dequantize` (it holds no float weights), `quantized` on a float checkpoint.
   """
   import jax  # pylint: disable=g-import-not-at-top
+  from glm5_jax import hf_int4  # pylint: disable=g-import-not-at-top
   from glm5_jax import nn as gnn  # pylint: disable=g-import-not-at-top
+  from glm5_jax import quant  # pylint: disable=g-import-not-at-top
+  from glm5_jax.optim.param_groups import quant_axes  # pylint: disable=g-import-not-at-top
   if param_dtype is not None:
     config_overrides["param_dtype"] = param_dtype
   hf_cfg, cfg, infos = _config_and_tensors(path, config_overrides)
+  file = os.path.join(path, "config.json")
+  group_size = hf_int4.read_group_size(hf_cfg, file)
+  if quantized and dequantize:
+    raise ValueError("load_pretrained: quantized=True (packed INT4 leaves) and dequantize=True "
+                     "(float leaves) exclude each other")
+  if group_size is not None and not (quantized or dequantize):
+    raise ValueError(f"{file} has a quantization_config ({hf_int4.describe(hf_cfg)}): an INT4 "
+                     "checkpoint, not float weights. Load it with quantized=True (weights stay "
+                     "packed: quant.QArray leaves, for the inference engine) or dequantize=True "
+                     "(float weights)")
+  if group_size is None and quantized:
+    raise ValueError(f"{path}: quantized=True, but {file} has no quantization_config (a float "
+                     "checkpoint); quantize it first (python -m experiments.convert_checkpoint "
+                     "--quantize=int4, or quant.quantize_tree)")
   mtp_prefix = f"model.layers.{cfg.num_hidden_layers}."
   mtp = bool(cfg.num_nextn_predict_layers)
   fused = frozenset(k[:-len(".mlp.experts.down_proj")] for k in infos
                     if k.endswith(".mlp.experts.down_proj"))
   leaves = _leaves(_entries(cfg, mtp=mtp, fused=fused))
+  got = {p: _leaf_shape(t) for p, t in leaves.items()}
+  qpaths = _quantized_leaves(leaves, infos, path) if group_size is not None else set()
+  floats = {p: t for p, t in leaves.items() if p not in qpaths}
+  stored = {p: _stored_tables(leaves[p], group_size, file) for p in sorted(qpaths)}
+  want = _wanted(floats.values())
+  for suffix, dtypes in (("weight_packed", ("I32",)), ("weight_scale", ("F32",)),
+                         ("weight_shape", ("I32", "I64"))):
+    want.update(_wanted([st[suffix] for st in stored.values()], dtypes))
   skip = {k for k in infos if k.startswith(mtp_prefix) and k.endswith(_MTP_SHARED_COPIES)}
-  _check_names(path, infos, {n for t in leaves.values() for n, _ in t.flat}, skip)
-  _check_tensors(hf_cfg, leaves, infos)
+  _check_names(path, infos, set(want), skip)
+  _check_tensors(hf_cfg, want, infos)
+  for p, st in stored.items():
+    _check_weight_shapes(leaves[p], st, infos)
 
   shapes, specs = gnn.abstract_params(cfg)
   flat_shapes = {tuple(k.key for k in p): s for p, s in
                  jax.tree_util.tree_flatten_with_path(shapes)[0]}
-  got = {p: _leaf_shape(t) for p, t in leaves.items()}
-  want = {p: s.shape for p, s in flat_shapes.items()}
-  if got != want:                                   # a bug in the views, not in the file
-    raise AssertionError(f"hf views != model params: {set(got.items()) ^ set(want.items())}")
+  model = {p: s.shape for p, s in flat_shapes.items()}
+  if got != model:                                  # a bug in the views, not in the file
+    raise AssertionError(f"hf views != model params: {set(got.items()) ^ set(model.items())}")
   dtype = _np_dtype(cfg.param_dtype)
   dtypes = {p: np.dtype(np.float32) if "router" in p else dtype for p in leaves}
+  layouts = {p: quant_axes("/".join(p), got[p]) for p in stored}
+  for p, (batch, red) in layouts.items():           # the views' [in, out] split is the rule's
+    if (batch, red) != (leaves[p].ndim, len(leaves[p].flat[0][1].groups[1])):
+      raise AssertionError(f"{p}: quant_axes {(batch, red)} != the HF view's")
+
+  def qarray(p, values, scales):
+    batch, red = layouts[p]
+    return quant.QArray(values, scales, tuple(got[p][batch:]), red, "int4", group_size,
+                        np.dtype(dtype).name)
+
+  def read_q(p, lead):
+    st = stored[p]
+    return (hf_int4.nibble_bytes(_read_stored(st["weight_packed"], infos, lead, np.int32, p)),
+            _read_stored(st["weight_scale"], infos, lead, np.float32, p))
 
   if mesh is None:
-    params = {p: _read_block(t, infos, _box((), got[p]), dtypes[p], p) for p, t in leaves.items()}
+    params = {p: _read_block(t, infos, _box((), got[p]), dtypes[p], p) for p, t in floats.items()}
+    q = {p: qarray(p, *read_q(p, _box((), leaves[p].shape))) for p in stored}
+    if dequantize:                                  # one program for all of them
+      q = jax.jit(quant.dequantize_tree)(q)
+    params.update(q if to_device else jax.tree.map(np.asarray, q))
     if to_device:
-      params = {p: jax.numpy.asarray(x) for p, x in params.items()}
+      params = {p: jax.tree.map(jax.numpy.asarray, x) for p, x in params.items()}
     return cfg, _nest(params)
 
   from glm5_jax import sharding  # pylint: disable=g-import-not-at-top
@@ -376,7 +510,7 @@ def load_pretrained(path: str, *, param_dtype: str | None = None, to_device: boo
   flat_sh = {tuple(k.key for k in p): s for p, s in jax.tree_util.tree_flatten_with_path(
       shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))[0]}
   params = {}
-  for p, t in leaves.items():
+  for p, t in floats.items():
     blocks = {}                         # devices holding the same block share one read
 
     def read(index, t=t, p=p, blocks=blocks):
@@ -386,6 +520,27 @@ def load_pretrained(path: str, *, param_dtype: str | None = None, to_device: boo
       return blocks[box]
     params[p] = jax.make_array_from_callback(got[p], flat_sh[p], read)
     blocks.clear()
+  q = {}
+  for p in stored:                      # packed, sharded over the batch axes only
+    batch, red = layouts[p]
+    spec = tuple(flat_sh[p].spec) + (None,) * len(got[p])
+    qsh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec[:batch]))
+    r, o = math.prod(got[p][batch:batch + red]), math.prod(got[p][batch + red:])
+    blocks = {}
+
+    def read(index, k, p=p, batch=batch, blocks=blocks):
+      lead = tuple(_box(index[:batch], got[p][:batch]))
+      if lead not in blocks:
+        blocks[lead] = read_q(p, lead)
+      return blocks[lead][k]
+    parts = [jax.make_array_from_callback(got[p][:batch] + (n, o), qsh,
+                                          lambda i, k=k, read=read: read(i, k))
+             for k, n in ((0, r // 2), (1, r // group_size))]
+    blocks.clear()
+    q[p] = qarray(p, *parts)
+  if dequantize:
+    q = jax.jit(quant.dequantize_tree, out_shardings={p: flat_sh[p] for p in q})(q)
+  params.update(q)
   return cfg, _nest(params)
 
 
@@ -394,8 +549,75 @@ def load_pretrained(path: str, *, param_dtype: str | None = None, to_device: boo
 # --------------------------------------------------------------------------------------
 
 def _flat(params) -> dict[tuple, Any]:
+  """{leaf path: array or quant.QArray}."""
   import jax  # pylint: disable=g-import-not-at-top
-  return {tuple(k.key for k in p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+  from glm5_jax import quant  # pylint: disable=g-import-not-at-top
+  from glm5_jax.optim.param_groups import key_name  # pylint: disable=g-import-not-at-top
+  return {tuple(key_name(k) for k in p): x for p, x in jax.tree_util.tree_flatten_with_path(
+      params, is_leaf=quant.is_qarray)[0]}
+
+
+def _target_group(params, qpaths) -> str:
+  """The target group (optim/param_groups.QUANT_TARGETS) that quantizes exactly `qpaths`."""
+  from glm5_jax import quant  # pylint: disable=g-import-not-at-top
+  from glm5_jax.optim.param_groups import QUANT_TARGETS  # pylint: disable=g-import-not-at-top
+  want = {"/".join(p) for p in qpaths}
+  return next((t for t in QUANT_TARGETS
+               if set(quant.targeted(params, quant.Scheme("int4", 2, t))) == want), "custom")
+
+
+def _save_entries(cfg, params):
+  """(entries to write, {leaf path: array} they read, quantization_config or None).
+
+  A QArray leaf's entries become its stored tensors (hf_int4.py): `X.weight_packed` and
+  `X.weight_scale` read the leaf's words and scales through `_stored_view`s, `X.weight_shape`
+  a constant leaf [*batch, 2]."""
+  from glm5_jax import hf_int4  # pylint: disable=g-import-not-at-top
+  from glm5_jax import quant  # pylint: disable=g-import-not-at-top
+  leaves = _flat(params)
+  flat, qarrays = {}, {}
+  for p, x in leaves.items():
+    if quant.is_qarray(x):
+      qarrays[p] = x
+      flat.update({p + (k,): y for k, y in hf_int4.stored(x, "/".join(p)).items()})
+    else:
+      flat[p] = x
+  has_mtp = ("mtp",) in {p[:1] for p in leaves} and bool(cfg.num_nextn_predict_layers)
+  by_name: dict[str, list[_Entry]] = {}
+  for e in _entries(cfg, mtp=has_mtp):
+    by_name.setdefault(e.hf, []).append(e)
+  entries, quantized, ignored, blocks = [], [], [], set()
+  for name, es in by_name.items():
+    q = {e.path in qarrays for e in es}
+    if q == {True, False}:
+      raise ValueError(f"{name}: its views {['/'.join(e.path) for e in es]} are partly "
+                       "quantized; an HF tensor is stored quantized whole")
+    linear = name.endswith(".weight") and len(es[0].view.hf_shape) == 2 and "embed" not in name
+    if q == {False}:
+      entries += es
+      ignored += [name[:-len(".weight")]] if linear else []
+      continue
+    quantized.append(name[:-len(".weight")])
+    for e in es:
+      qa, n_in = qarrays[e.path], e.view.hf_shape[1]
+      blocks.add(qa.block)
+      entries += [_Entry(hf_int4.stored_name(name, "weight_packed"), e.path + ("weight_packed",),
+                         e.lead, _stored_view(e.view, n_in // hf_int4.PER_WORD)),
+                  _Entry(hf_int4.stored_name(name, "weight_scale"), e.path + ("weight_scale",),
+                         e.lead, _stored_view(e.view, n_in // qa.block))]
+    e = es[0]
+    shape_path = e.path + ("weight_shape",)
+    flat.setdefault(shape_path, np.broadcast_to(np.asarray(e.view.hf_shape, np.int32),
+                                                qarrays[e.path].batch_shape + (2,)))
+    entries.append(_Entry(hf_int4.stored_name(name, "weight_shape"), shape_path, e.lead,
+                          _same(2)))
+  if not qarrays:
+    return entries, flat, None
+  if len(blocks) != 1:
+    raise ValueError(f"INT4 weights with group sizes {sorted(blocks)}: an INT4 checkpoint "
+                     "holds one group size")
+  return entries, flat, hf_int4.quantization_config(
+      blocks.pop(), _target_group(params, qarrays), quantized, ignored)
 
 
 class _Holdings:
@@ -475,12 +697,11 @@ def _hf_tensor(parts, dtype) -> np.ndarray:
   return split.reshape(v0.hf_shape)
 
 
-def _save_plan(cfg, flat, max_shard_bytes, n_proc):
+def _save_plan(entries, flat, max_shard_bytes, n_proc):
   """[(HF name, entries, writer process, gathered?, bytes)] in writing order, and each
   process's files {process: [[HF names]]}; the same on every process (no communication)."""
-  has_mtp = ("mtp",) in {p[:1] for p in flat} and bool(cfg.num_nextn_predict_layers)
   by_name: dict[str, list[_Entry]] = {}
-  for e in _entries(cfg, mtp=has_mtp):
+  for e in entries:
     by_name.setdefault(e.hf, []).append(e)
   holdings = {p: _Holdings(x) for p, x in flat.items()}
   load, plan = [0] * n_proc, []
@@ -514,6 +735,11 @@ def _barrier(name: str):
 def save_pretrained(cfg: ModelConfig, params, path: str, *, max_shard_bytes: int = 5 * 2**30):
   """Writes config.json + safetensors shards (+ index) that transformers loads.
 
+  INT4 weights (`quant.QArray` leaves of `quant.quantize_tree`) are written in
+  compressed-tensors' pack-quantized layout with a `quantization_config` in config.json
+  (glm5_jax/hf_int4.py); `load_pretrained(..., quantized=True)` reads that directory,
+  transformers does not.
+
   `params` may be host arrays or global jax arrays sharded over many processes
   (call it on every process). Each HF tensor goes to one writer process that holds
   it whole in its own shards, or, where none does, is gathered to all processes
@@ -523,8 +749,8 @@ def save_pretrained(cfg: ModelConfig, params, path: str, *, max_shard_bytes: int
   """
   import jax  # pylint: disable=g-import-not-at-top
   me, n_proc = jax.process_index(), jax.process_count()
-  flat = _flat(params)
-  plan, files = _save_plan(cfg, flat, max_shard_bytes, n_proc)
+  entries, flat, quantization = _save_entries(cfg, params)
+  plan, files = _save_plan(entries, flat, max_shard_bytes, n_proc)
   names = [(q, chunk) for q in range(n_proc) for chunk in files[q]]
   fname = ({0: _SINGLE} if len(names) == 1 else
            {k: f"model-{k + 1:05d}-of-{len(names):05d}.safetensors" for k in range(len(names))})
@@ -536,6 +762,8 @@ def save_pretrained(cfg: ModelConfig, params, path: str, *, max_shard_bytes: int
     hf_cfg = cfg.to_hf()
     if not any(p[0] == "mtp" for p in flat):
       hf_cfg["num_nextn_predict_layers"] = 0
+    if quantization:
+      hf_cfg["quantization_config"] = quantization
     with open(os.path.join(path, "config.json"), "w") as f:
       json.dump(hf_cfg, f, indent=2)
   _barrier("save_pretrained:cleaned")
@@ -547,7 +775,8 @@ def save_pretrained(cfg: ModelConfig, params, path: str, *, max_shard_bytes: int
     if writer != me and not gather:
       continue
     if gather:
-      parts = [(e.view, _gathered_block(flat[e.path], e.lead)) for e in es]
+      parts = [(e.view, _gathered_block(flat[e.path], e.lead).reshape(e.view.shape))
+               for e in es]
     else:
       parts = [(e.view, _local_block(flat[e.path], [(i, i + 1) for i in e.lead] + [
           (0, n) for n in flat[e.path].shape[len(e.lead):]]).reshape(e.view.shape)) for e in es]

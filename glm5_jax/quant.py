@@ -20,7 +20,7 @@ INT4, symmetric, one float32 scale per group of g consecutive R rows of each out
     q = clip(round_half_to_even(w / s), -7, 7)   an int in [-7, 7]
     stored as the nibble q + 8 in [1, 15], two per uint8 along R: byte j of a column holds
     rows 2j (low nibble) and 2j + 1 (high nibble)
-    dequantize: w' = (nibble - 8) * s            (exact in float32)
+    dequantize: w' = (nibble - 8) * s            (one float32 product, correctly rounded)
   Packed values and scales take (4 + 32 / g) / 32 of the float32 bytes (0.156 at g = 32).
   XLA:CPU stores `jnp.int4` in a byte per element, hence the explicit packing.
 
@@ -30,8 +30,9 @@ entries (partial blocks at the edges take the same rule over the entries they ha
     q = float8_e4m3fn(clip(w / s, -448, 448))    round to nearest, ties to even
     dequantize: w' = float32(q) * s
 
-Both divide in float32 (IEEE, correctly rounded on every backend), so the same weights give
-the same bits wherever the quantizer runs; tests/test_quant.py checks both against NumPy.
+Both divide in IEEE float32 (`_divide`: a true division, not XLA's multiplication by the
+reciprocal), so the same weights give the same bits wherever division is correctly rounded;
+tests/test_quant.py checks both against NumPy on XLA:CPU.
 
 `QArray` holds a quantized weight in a parameter tree. The model's `nn.params.param` returns
 it dequantized where the module uses the weight (one layer at a time inside the layer scan),
@@ -126,9 +127,22 @@ def is_qarray(x) -> bool:
 # The quantizers, on [..., R, O] arrays
 # --------------------------------------------------------------------------------------
 
+def _divide(a, b):
+  """a / b in IEEE float32, b broadcast to a's shape.
+
+  XLA's algebraic simplifier rewrites a division by a broadcast or a constant into a
+  multiplication by the reciprocal, which rounds differently (on XLA:CPU, x / 7 differs in
+  the last bit for about half of all float32 x). The optimization barrier keeps the division
+  one, so the quantizer is the rule the module docstring states, bitwise NumPy's float32
+  division (tests/test_quant.py).
+  """
+  return a / jax.lax.optimization_barrier(jnp.broadcast_to(b, jnp.shape(a)).astype(a.dtype))
+
+
 def _safe_divide(w, s):
   """w / s, and 0 where s is 0 (an all-zero group or block)."""
-  return jnp.where(s > 0, w / jnp.where(s > 0, s, 1.0), 0.0)
+  s = jnp.broadcast_to(s, w.shape)
+  return jnp.where(s > 0, _divide(w, jnp.where(s > 0, s, 1.0)), 0.0)
 
 
 def check_group_size(group_size: int, r: int, what: str = "") -> None:
@@ -145,7 +159,7 @@ def int4_quantize(w_ro, group_size: int = 32):
   check_group_size(group_size, r)
   lead = w_ro.shape[:-2]
   w = w_ro.astype(jnp.float32).reshape(*lead, r // group_size, group_size, o)
-  scales = jnp.max(jnp.abs(w), axis=-2) / INT4_MAX                      # [..., R // g, O]
+  scales = _divide(jnp.max(jnp.abs(w), axis=-2), INT4_MAX)              # [..., R // g, O]
   q = jnp.clip(jnp.round(_safe_divide(w, scales[..., None, :])), -INT4_MAX, INT4_MAX)
   nib = (q.astype(jnp.int32) + 8).reshape(*lead, r // 2, 2, o)
   packed = (nib[..., 0, :] | (nib[..., 1, :] << 4)).astype(jnp.uint8)
@@ -189,7 +203,7 @@ def fp8_quantize(w_ro, block: int = 128):
   x = _blocks(jnp.abs(w), block)
   nr, no = x.shape[-2] // block, x.shape[-1] // block
   absmax = jnp.max(x.reshape(*x.shape[:-2], nr, block, no, block), axis=(-3, -1))
-  scales = absmax / FP8_MAX
+  scales = _divide(absmax, FP8_MAX)
   q = jnp.clip(_safe_divide(w, _per_block(scales, block, r, o)), -FP8_MAX, FP8_MAX)
   return q.astype(jnp.float8_e4m3fn), scales
 

@@ -463,6 +463,12 @@ def load_params(path: str, cfg, shardings, *, mesh=None, rules=None,
                        "'distributed') starts from a training workdir: convert it first "
                        "(python -m experiments.convert_checkpoint)")
     from glm5_jax import hf  # pylint: disable=g-import-not-at-top
+    int4 = hf.quantization(path)
+    if int4:
+      raise ValueError(f"{what}={path!r} is an INT4 checkpoint (config.json quantization_config: "
+                       f"{int4}), not float weights: start from the float checkpoint it was "
+                       "quantized from, or write a float copy (hf.load_pretrained(path, "
+                       "dequantize=True), then hf.save_pretrained)")
     got, params = hf.load_pretrained(path, mesh=mesh, rules=rules)
     diff = model_diff(model_fields(got), model_fields(cfg))
     if diff:
