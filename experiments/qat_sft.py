@@ -13,6 +13,13 @@ problems (greedy, thinking on, as the GRPO stage's evaluation):
   qat -> int4    the QAT model in INT4, the weights its training forward used (bitwise)
   qat (float)    the QAT model's float32 master weights, for reference
 
+and a second protocol, QAT as the end of SFT: the float model continued for
+`--finetune_steps` more steps at SFT's final learning rate, in float32 (the control) and with
+INT4 QAT, then served:
+
+  float+ft -> int4   the float continuation quantized after the fact
+  qat ft -> int4     the QAT continuation in INT4
+
 with each one's SFT held-out loss (the stage's validation conversations; INT4 ones through
 the straight-through quantized forward, which is what the INT4 engine computes),
 
@@ -62,14 +69,21 @@ _GROUP = flags.DEFINE_integer("group_size", 32, "INT4 group size")
 _TARGETS = flags.DEFINE_string("targets", "experts", "quantized weights: experts | attention | "
                                "all_linear")
 
-VARIANTS = ("float", "float -> int4", "qat -> int4", "qat (float)")
-# variant -> (QAT run?, engine weight dtype)
-_SERVED = {"float": (False, "float32"), "float -> int4": (False, "int4"),
-           "qat -> int4": (True, "int4"), "qat (float)": (True, "float32")}
+_FINETUNE = flags.DEFINE_integer("finetune_steps", 100, "steps of the QAT-at-the-end protocol "
+                                 "(0: not run)")
+
+# variant -> (run, engine weight dtype); runs: "float", "qat" (600 SFT steps each), "ft_float",
+# "ft_qat" (the float run continued for --finetune_steps)
+VARIANTS = ("float", "float -> int4", "qat -> int4", "qat (float)", "float+ft -> int4",
+            "qat ft -> int4")
+_SERVED = {"float": ("float", "float32"), "float -> int4": ("float", "int4"),
+           "qat -> int4": ("qat", "int4"), "qat (float)": ("qat", "float32"),
+           "float+ft -> int4": ("ft_float", "int4"), "qat ft -> int4": ("ft_qat", "int4")}
 
 
-def sft(seed: int, qat: bool, workdir: str):
-  """Runs (or finds finished) one SFT; returns (main job config, SFT config)."""
+def sft(seed: int, qat: bool, workdir: str, finetune_from: str = ""):
+  """Runs (or finds finished) one SFT, or a `--finetune_steps` continuation of the SFT in
+  `finetune_from` at SFT's final learning rate; returns (main job config, SFT config)."""
   c = main_job_config.get_config()
   with c.unlocked():
     c.seed = seed
@@ -77,6 +91,11 @@ def sft(seed: int, qat: bool, workdir: str):
   with sc.unlocked():
     if qat:
       sc.qat.update(bits=4, group_size=_GROUP.value, targets=_TARGETS.value)
+    if finetune_from:
+      sc.init_from = finetune_from
+      sc.total_steps = sc.eval_every = sc.checkpoint_every = _FINETUNE.value
+      sc.learning_rate = c.post.sft_learning_rate * sc.final_lr_fraction
+      sc.final_lr_fraction, sc.warmup_steps = 1.0, 0
   loop.run(sc, workdir)
   return c, sc
 
@@ -131,28 +150,42 @@ def main(argv):
   seeds = [int(s) for s in _SEEDS.value]
   scheme = quant.Scheme("int4", _GROUP.value, _TARGETS.value)
   runs = {}
+  variants = [v for v in VARIANTS if _FINETUNE.value or not _SERVED[v][0].startswith("ft")]
   for seed in seeds:
     row = {"accuracy": {}, "loss": {}}
-    for qat in (False, True):
-      wd = os.path.join(_WORKDIR.value, "qat" if qat else "float", f"seed{seed}")
-      logging.info("=== SFT seed %d, %s -> %s", seed, "INT4 QAT" if qat else "float", wd)
-      c, sc = sft(seed, qat, wd)
+    for run in ("float", "qat", "ft_float", "ft_qat"):
+      if not any(_SERVED[v][0] == run for v in variants):
+        continue
+      qat = run.endswith("qat")
+      wd = os.path.join(_WORKDIR.value, run, f"seed{seed}")
+      logging.info("=== SFT seed %d, %s -> %s", seed, run, wd)
+      c, sc = sft(seed, qat, wd, os.path.join(_WORKDIR.value, "float", f"seed{seed}")
+                  if run.startswith("ft") else "")
       cfg, params = ckpt_lib.load_model(wd)
       cfg = cfg.replace(attention_type="sparse")
-      for name in (v for v in VARIANTS if _SERVED[v][0] == qat):
+      cache_path = os.path.join(wd, "qat_sft_evals.json")    # a rerun reads them back
+      cache = json.load(open(cache_path)) if os.path.exists(cache_path) else {}
+      for name in (v for v in variants if _SERVED[v][0] == run):
         dtype = _SERVED[name][1]
-        row["accuracy"][name] = heldout(engine_for(cfg, params, c, dtype), c)["accuracy"]
-        row["loss"][name] = heldout_loss(sc, cfg, params,
-                                         scheme if dtype == "int4" else None)
+        key = f"{name}|{scheme}"
+        if key not in cache:
+          cache[key] = {"accuracy": heldout(engine_for(cfg, params, c, dtype), c)["accuracy"],
+                        "loss": heldout_loss(sc, cfg, params,
+                                             scheme if dtype == "int4" else None)}
+          with open(cache_path, "w") as f:
+            json.dump(cache, f)
+        row["accuracy"][name], row["loss"][name] = cache[key]["accuracy"], cache[key]["loss"]
         logging.info("seed %d %s: held-out accuracy %.3f, loss %.4f", seed, name,
                      row["accuracy"][name], row["loss"][name])
     runs[seed] = row
-  lines = ["| seed | " + " | ".join(VARIANTS) + " |", "|---" * (len(VARIANTS) + 1) + "|"]
+  lines = ["| seed | " + " | ".join(variants) + " |", "|---" * (len(variants) + 1) + "|"]
   for seed, row in runs.items():
     lines.append(f"| {seed} | " + " | ".join(
-        f"{100 * row['accuracy'][v]:.1f}% ({row['loss'][v]:.4f})" for v in VARIANTS) + " |")
+        f"{100 * row['accuracy'][v]:.1f}% ({row['loss'][v]:.4f})" for v in variants) + " |")
   lines.append("| mean +- std | " + " | ".join(
-      _mean_std([r["accuracy"][v] for r in runs.values()]) for v in VARIANTS) + " |")
+      _mean_std([r["accuracy"][v] for r in runs.values()]) for v in variants) + " |")
+  lines.append("| held-out loss, mean | " + " | ".join(
+      f"{np.mean([r['loss'][v] for r in runs.values()]):.4f}" for v in variants) + " |")
   # Memory and decode speed of the last seed's QAT model, INT4 against float32.
   speed = {}
   for dtype in ("float32", "int4"):
