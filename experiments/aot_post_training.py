@@ -86,8 +86,8 @@ _STAGES = flags.DEFINE_list("stages", ["rl_async"], f"--part=train: RL stages, o
                             allow_override=True)
 _SEQUENCES = flags.DEFINE_integer("sequences", 0, "--part=train: sequences per step (0: one "
                                   "per batch group, data x fsdp x expert)")
-_MICROBATCHES = flags.DEFINE_integer("microbatches", 1, "--part=train: gradient accumulation "
-                                     "parts (config.microbatches)")
+# --microbatches (config.microbatches; --part=train) is aot_train_memory's flag, imported above.
+_MICROBATCHES = atm.MICROBATCHES
 _CONTEXTS = flags.DEFINE_list("contexts", ["32768", "202752"],
                               "--part=decode: tokens per request (engine max_len)")
 _REQUESTS = flags.DEFINE_list("requests", ["64"], "--part=decode: concurrent requests "

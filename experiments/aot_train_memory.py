@@ -88,7 +88,7 @@ _MUON = flags.DEFINE_enum("muon_distribution", "owner", list(optim.DISTRIBUTIONS
                           "config.muon_distribution (the loop's default: owner): Newton–Schulz "
                           "on owner devices (optim/muon_owner.py) or on the sharded matrices "
                           "as they are (replicated; the rows compiled before 2026-12-05)")
-_MICRO = flags.DEFINE_integer("microbatches", 1,
+MICROBATCHES = flags.DEFINE_integer("microbatches", 1,
                               "config.microbatches: gradient accumulation; the step's batch is "
                               "this many sequences per batch group")
 _PART = flags.DEFINE_enum("part", "step", list(PARTS),
@@ -370,7 +370,7 @@ def main(argv):
                         _RULES.value, _DISPATCH.value, hbm, part=_PART.value,
                         do_compile=_COMPILE.value, capacity_factor=_CAPACITY.value,
                         dense_form=_DENSE_FORM.value, remat=_REMAT.value,
-                        muon_distribution=_MUON.value, microbatches=_MICRO.value)
+                        muon_distribution=_MUON.value, microbatches=MICROBATCHES.value)
         rows.append(r)
         done = {True: "ok", None: "not compiled", False: f"FAILED {r.get('error', '')[:300]}"}
         print(f"  {sizes} {stage} t={t}: {done[r['ok']]} ({r['compile_seconds']:.0f} s); "

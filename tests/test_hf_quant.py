@@ -215,7 +215,7 @@ def test_int4_engine_serves_the_qat_trainers_forward(qat_run, int4_dirs, qat_wei
                                              topk=o.topk_indices) for p, o in zip(prompts, outs)]
   b = traj_lib.make_batch(trajs, np.zeros(len(trajs)), length=64)
   fwd = jax.jit(functools.partial(policy.policy_forward, cfg=cfg, return_topk=True))
-  logp, _, topk = fwd(qat_weights[c.qat.targets], b.tokens, b.positions, b.segment_ids)
+  logp, _, topk, _ = fwd(qat_weights[c.qat.targets], b.tokens, b.positions, b.segment_ids)
   mask = b.loss_mask > 0
   assert mask.sum() == 20
   diff = np.abs(np.asarray(logp)[mask] - b.rollout_logp[mask])
