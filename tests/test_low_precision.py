@@ -87,6 +87,7 @@ def test_fp8_rollouts_open_a_measured_gap_and_routing_replay_closes_the_routing_
   assert a["routing_mismatches"] == 0 and a["routing_pairs"] > 0
 
 
+@pytest.mark.slow        # the default suite checks it on an INT4 checkpoint (test_hf_quant.py)
 def test_int4_engine_serves_what_the_qat_forward_computes(tiny):
   cfg, params, fwd = tiny
   engine, _, trajs, batch = _rollouts(cfg, params, weight_dtype="int4")
