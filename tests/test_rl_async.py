@@ -98,6 +98,25 @@ def test_local_loop_with_faults(init_dir, tmp_path):
 
 
 @pytest.mark.slow
+def test_fp8_workers_with_routing_replay(init_dir, tmp_path):
+  """FP8 rollout workers: a measured |dlogp|, the routing replayed (0 routing mismatches of
+  every pair compared), the records' storage in the ledger; the ledger audits clean."""
+  c = small_config(init_dir, rollout_weight_dtype="float8_e4m3fn", routing_replay=True)
+  workdir = str(tmp_path / "run")
+  async_loop.run(c, workdir)
+  assert not ledger_lib.audit(os.path.join(workdir, "rollouts.jsonl"))
+  rows = [r for r in metrics_lib.read_rows(workdir) if "loss" in r]
+  assert len(rows) == c.total_steps
+  for r in rows:
+    assert r["logp_abs_diff_max"] > 0 and r["routing_pairs"] > 0, r
+    assert r["routing_mismatches"] == 0 and r["routing_mismatch_rate"] == 0.0, r
+    assert r["routing_bytes_per_token"] > 0 and "topk_mismatch_rate" in r
+  finished = [e for e in ledger_lib.read(os.path.join(workdir, "rollouts.jsonl"))
+              if e["kind"] == "trajectory" and e["event"] == "finished" and "tokens" in e]
+  assert finished and all(e["routing_bytes"] > 0 for e in finished)
+
+
+@pytest.mark.slow
 def test_resume_continues_the_ledger(init_dir, tmp_path):
   """A finished run extended by 2 updates resumes from its checkpoint: versions continue,
   group ids continue after the ledger's, and the whole ledger still audits clean."""
