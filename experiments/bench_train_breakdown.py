@@ -75,7 +75,7 @@ def _build(kind, o, batch):
     run = lambda: fn(params, batch)[0]
   dispatch = moe.select_dispatch
   if o["dispatch"] == "gathered":          # trace with the gathered experts, then restore
-    moe.select_dispatch = lambda cfg, n: ffn.gathered_swiglu
+    moe.select_dispatch = lambda cfg, n, cached=False: ffn.gathered_swiglu
   try:
     t0 = time.perf_counter()
     jax.block_until_ready(run())                                   # compile + first run

@@ -13,10 +13,17 @@ and the trainer's own log-probs moved by 1.7e-6 when its padding changed from 32
 With YNNPACK fusions off, XLA:CPU's dots go to Eigen, which is row-invariant at these
 shapes: engine and trainer log-probs are then bitwise equal (tests/test_rl_grpo.py).
 Speed is about the same (tiny train step 0.47 -> 0.57 s, small 15.2 -> 13.3 s here).
-Even with Eigen, XLA:CPU runs a batched dot over a single row with another kernel; the
-engine therefore pads each device call to two tokens (`inference.engine.invariant_tokens`,
-`Engine(batch_invariant=True)`). The MoE's CPU kernel (`nn/ffn.py` `blocked_swiglu`) is
-row-invariant at every token count.
+Even with Eigen, a matmul of fewer than 8 rows may sum a row in another order than the same
+row in a larger matmul (Eigen's contraction then splits the summed dimension across
+threads or takes its matrix-vector kernel; shape-dependent): on this project's 2-core VM a
+[M, 1536] @ [1536, 512] row matched the 4096-row result for M >= 8 but not for M = 2 .. 7
+(so did [M, 256] @ [256, 32768]); on the `small` preset, whose dense FFN is 1536 wide, a
+lone request padded to 2 lanes differed from the trainer by 1.9e-6 in its log-probs, 4
+lanes by 9.5e-7, 8 or more lanes not at all. The engine therefore pads each device call to
+`MIN_INVARIANT_ROWS` tokens (`inference.engine.invariant_tokens`,
+`Engine(batch_invariant=True)`). The MoE's CPU kernels (`nn/ffn.py` `blocked_swiglu`,
+`looped_swiglu`) compute every row in blocks of at least 8 rows: row-invariant at every
+token count.
 
 The flag is read when JAX creates its CPU backend, so `batch_invariant_cpu()` must run
 before the first computation; the RL entry points, the main job and the tests call it at
@@ -28,6 +35,7 @@ from __future__ import annotations
 import os
 
 FLAG = "--xla_cpu_experimental_ynn_fusion_type="
+MIN_INVARIANT_ROWS = 8          # fewest rows of a matmul whose rows are batch-invariant (above)
 DEVICES_FLAG = "--xla_force_host_platform_device_count="
 
 

@@ -40,14 +40,16 @@ freed once its successor is in place (`engine.params` of an older version is the
 
 Batch invariance (`batch_invariant=True`, the default): a request's log-probs and top-k do
 not depend on which other requests share its device calls, so they equal the trainer's full
-forward bitwise on XLA:CPU (glm5_jax/numerics.py). XLA:CPU runs a one-row batched dot with
-another kernel, so every call has at least `invariant_tokens(cfg, platform)` tokens, idle
-lanes padding it: 2 on CPU, whose MoE kernel (`ffn.blocked_swiglu`) is row-invariant at any
-token count; elsewhere max(2, E/K), since below E/K tokens the MoE takes its gathered kernel
-(another summation order; nn/moe.py `select_dispatch`), e.g. 32 lanes instead of 1 for
-GLM-5's 256 / 8 experts. `batch_invariant=False` trades exactness (~1e-6 in log-probs) for
-it. Under a mesh every call runs all `max_batch` slots, so choose max_batch >=
-invariant_tokens x shards.
+forward bitwise on XLA:CPU (glm5_jax/numerics.py). XLA:CPU's matmuls sum a row in another
+order below 8 rows, so every call has at least `invariant_tokens(cfg, platform)` tokens,
+idle lanes padding it: 8 on CPU, whose MoE kernels (`ffn.blocked_swiglu`,
+`ffn.looped_swiglu`) are row-invariant at any token count; elsewhere max(2, E/K), since
+below E/K tokens the MoE takes its gathered kernel (another summation order; nn/moe.py
+`select_dispatch`), e.g. 32 lanes instead of 1 for GLM-5's 256 / 8 experts. Idle lanes of
+a decode step mirror a live lane (`steps.mirror_idle`): they route to its experts and read
+its rows, so padding a lone request to 8 lanes costs compute, not memory traffic.
+`batch_invariant=False` trades exactness (~1e-6 in log-probs) for it. Under a mesh every
+call runs all `max_batch` slots, so choose max_batch >= invariant_tokens x shards.
 
 Shapes are bucketed so that new prompt lengths do not recompile: prefill chunks are padded
 to a power of two >= 16 (at most `prefill_chunk`), block tables to a power-of-two number of
@@ -86,6 +88,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from glm5_jax import nn as gnn
+from glm5_jax import numerics
 from glm5_jax import sharding as shd
 from glm5_jax import quant
 from glm5_jax.inference import paging
@@ -222,11 +225,13 @@ def _pow2(n: int) -> int:
 
 def invariant_tokens(cfg, platform: str = "cpu") -> int:
   """Fewest tokens per device call at which each row's result is independent of the others
-  (module docstring): 2; on a platform other than CPU, ceil(E / K) if any layer (or the MTP
-  layer) is MoE (below it the MoE takes its gathered kernel; XLA:CPU's blocked kernel runs
-  every token count)."""
+  (module docstring): 8 on CPU (`numerics.MIN_INVARIANT_ROWS`; the MoE's CPU kernels run
+  every token count); elsewhere max(2, ceil(E / K)) if any layer (or the MTP layer) is MoE
+  (below it the MoE takes its gathered kernel), else 2."""
+  if platform == "cpu":
+    return numerics.MIN_INVARIANT_ROWS
   n_layers = cfg.num_hidden_layers + (1 if cfg.has_mtp else 0)
-  if platform != "cpu" and any(cfg.is_moe_layer(i) for i in range(n_layers)):
+  if any(cfg.is_moe_layer(i) for i in range(n_layers)):
     return max(2, -(-cfg.n_routed_experts // cfg.num_experts_per_tok))
   return 2
 

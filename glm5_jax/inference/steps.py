@@ -172,15 +172,27 @@ def scan_while_active(step, carry, length: int):
   return carry, outs
 
 
+def mirror_idle(active_b, *xs):
+  """Each x [b, ...] with the rows of idle lanes (not active) replaced by the first active
+  lane's. A step's idle lanes (padding for batch invariance, requests that ended) have no
+  valid token, so nothing of theirs is written or kept; mirroring a live lane, they route
+  to its experts and read its cache rows, so they cost the step no memory traffic of their
+  own (zeros would route to K other experts). Each row's result does not depend on the
+  other rows, so the live lanes' bits do not change."""
+  src = jnp.argmax(active_b)
+  return tuple(jnp.where(active_b.reshape((-1,) + (1,) * (x.ndim - 1)), x, x[src]) for x in xs)
+
+
 def decode(cfg, block_size, n_steps, params, cache, table_bm, st, routing: bool = False):
-  """Up to n_steps plain decode steps (`scan_while_active`). Returns (cache, st, per-step
-  outputs)."""
+  """Up to n_steps plain decode steps (`scan_while_active`), idle lanes mirroring a live one
+  (`mirror_idle`). Returns (cache, st, per-step outputs)."""
 
   def step(carry, _):
     cache, st = carry
     emit = st["active"].astype(jnp.int32)
-    out, cache = forward(cfg, block_size, params, cache, table_bm, st["tok"][:, None],
-                         st["pos"], emit, routing)
+    tok, pos, table = mirror_idle(st["active"], st["tok"], st["pos"], table_bm)
+    out, cache = forward(cfg, block_size, params, cache, table, tok[:, None], pos, emit,
+                         routing)
     tok, lp = _pick(head(cfg, params, out.hidden[:, 0]), st)
     topk = _stack_topk(out.topk_indices)
     res = {"tok": tok, "logprob": lp, "emit": emit, "pos": st["pos"],
@@ -227,7 +239,8 @@ def speculative_round(cfg, block_size, n_draft, params, cache, fold, table_bm, s
   pending token and h at pos - 1) are one MTP call over those rows: the catch-up is folded
   into the next round (`finish_fold` after the last one).
   min_draft_lanes: the drafting steps after the first (one token per lane) run over at
-  least this many lanes, the others inert: the engine's batch-invariant row count
+  least this many lanes, the others inert (mirroring a live lane, as every idle lane of a
+  round does: `mirror_idle`): the engine's batch-invariant row count
   (`engine.invariant_tokens`), so that a request's drafts, like its verified tokens, do not
   depend on the batch it shares. The verify and the catch-up carry D + 1 tokens per lane.
   """
@@ -252,8 +265,10 @@ def speculative_round(cfg, block_size, n_draft, params, cache, fold, table_bm, s
   # 1. Draft with the shared MTP module: catch-up rows + draft 1 in one call, then one
   #    scanned step per further draft.
   fn = fold["n"]
-  h, logits, cache = mtp(cfg, block_size, params, cache, table_bm, fold["tok"], fold["h"],
-                         n0 - fn, fn * act)
+  live = st["active"]
+  h, logits, cache = mtp(cfg, block_size, params, cache,
+                         *mirror_idle(live, table_bm, fold["tok"], fold["h"], n0 - fn),
+                         fn * act)
   at = jnp.maximum(fn - 1, 0)[:, None, None]
   h1 = jnp.take_along_axis(h, at, axis=1)[:, 0]
   tok1, logq1 = sample_draft(jnp.take_along_axis(logits, at, axis=1)[:, 0], 0)
@@ -261,11 +276,15 @@ def speculative_round(cfg, block_size, n_draft, params, cache, fold, table_bm, s
   lanes = max(b, min_draft_lanes)
   pad_table = pad_lanes(table_bm, lanes, num_rows(cache) // block_size)   # no block held
 
+  pad_live = pad_lanes(live, lanes)
+
   def draft(carry, k):
     cache, tok_b, h_bd = carry
-    h, logits, cache = mtp(cfg, block_size, params, cache, pad_table,
-                           pad_lanes(tok_b[:, None], lanes), pad_lanes(h_bd[:, None], lanes),
-                           pad_lanes(n0 - 1 + k, lanes), pad_lanes(act, lanes))
+    h, logits, cache = mtp(cfg, block_size, params, cache,
+                           *mirror_idle(pad_live, pad_table, pad_lanes(tok_b[:, None], lanes),
+                                        pad_lanes(h_bd[:, None], lanes),
+                                        pad_lanes(n0 - 1 + k, lanes)),
+                           pad_lanes(act, lanes))
     tok_b, logq = sample_draft(logits[:b, 0], k)
     return (cache, tok_b, h[:b, 0].astype(h_bd.dtype)), (tok_b, logq)
 
@@ -276,8 +295,8 @@ def speculative_round(cfg, block_size, n_draft, params, cache, fold, table_bm, s
 
   # 2. Verify with one main-model forward over D + 1 tokens.
   vtok = jnp.concatenate([st["tok"][:, None], drafts_bd], axis=1)
-  out, cache = forward(cfg, block_size, params, cache, table_bm, vtok, n0, act * (d + 1),
-                       routing)
+  out, cache = forward(cfg, block_size, params, cache, *mirror_idle(live, table_bm, vtok, n0),
+                       act * (d + 1), routing)
   h0 = out.last_hidden
   logits = head(cfg, params, out.hidden)                                 # [b, D+1, V]
   v = logits.shape[-1]

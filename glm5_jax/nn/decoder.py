@@ -40,7 +40,7 @@ class DecoderLayer(nn.Module):
     x = norms.RMSNorm(cfg.rms_norm_eps, param_dtype=cfg.param_dtype,
                       name="post_attention_norm")(h_btd)
     if self.moe:
-      y, load, ids = moe_lib.MoE(cfg, name="moe")(x, replay)
+      y, load, ids = moe_lib.MoE(cfg, name="moe")(x, replay, cache is not None)
     else:
       y, load, ids = ffn.MLP(cfg, cfg.intermediate_size, name="mlp")(x), None, None
     h_btd = h_btd + y.astype(h_btd.dtype)

@@ -9,6 +9,8 @@ expert-parallel path of nn/moe_ep.py runs `ragged_swiglu` on each device's local
   gathered_swiglu  TPU, GPU        n*K <  E (decode)      gather each token's K matrices
   blocked_swiglu   CPU (any n)     replaces both on CPU   sort, pad per expert to blocks of
                                                           B rows, dense batched matmuls
+  looped_swiglu    CPU, engine     over a KV cache        the same blocks, a loop over the
+                                  (no gradient)          blocks in use (same bits)
 
 Notation: n tokens, d hidden, E routed experts, K experts per token, I expert width.
 
@@ -48,9 +50,11 @@ class MLP(nn.Module):
     return swiglu(x_btd.astype(dt), w_gate.astype(dt), w_up.astype(dt), w_down.astype(dt))
 
 
-def routed_swiglu(kernel, x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid):
-  """sum_k weights[n,k] * Expert_{ids[n,k]}(x[n]): `kernel` on TPU and GPU, `blocked_swiglu`
-  on XLA:CPU. Returns (y [n, d], tokens per expert int32 [E]).
+def routed_swiglu(kernel, x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid, *,
+                  cpu=None):
+  """sum_k weights[n,k] * Expert_{ids[n,k]}(x[n]): `kernel` on TPU and GPU, `cpu` (default
+  `blocked_swiglu`; `looped_swiglu` for the engine) on XLA:CPU. Returns (y [n, d], tokens
+  per expert int32 [E]).
 
   The choice is made when the program is lowered (`jax.lax.platform_dependent`), so a CPU
   host compiling for a TPU gets the TPU's kernel. On XLA:CPU `ragged_dot` costs about E
@@ -58,7 +62,7 @@ def routed_swiglu(kernel, x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down
   do not depend on the other rows at any n, which the engine's batch invariance relies on.
   """
   return jax.lax.platform_dependent(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi,
-                                    w_down_eid, cpu=blocked_swiglu, default=kernel)
+                                    w_down_eid, cpu=cpu or blocked_swiglu, default=kernel)
 
 
 def _counts(ids_nk, e):
@@ -87,19 +91,48 @@ def ragged_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid):
   return y, group_sizes
 
 
-def block_rows(n_pairs: int, n_experts: int) -> int:
+def block_rows(n_pairs: int, n_experts: int, smallest: int = 16) -> int:
   """`blocked_swiglu`'s rows per block: about the mean rows per expert, a power of two in
-  [16, 128] (measured on XLA:CPU: smaller blocks copy more expert matrices, larger ones pad
-  more rows)."""
+  [smallest, 128] (measured on XLA:CPU: smaller blocks copy more expert matrices, larger
+  ones pad more rows). Any block of 8 rows or more gives each row the same bits
+  (glm5_jax/numerics.py), so the choice never changes a result."""
   mean = max(n_pairs // n_experts, 1)
-  return min(128, max(16, 1 << (mean.bit_length() - 1)))
+  return min(128, max(smallest, 1 << (mean.bit_length() - 1)))
 
 
-def blocked_rows(n_pairs: int, n_experts: int) -> int:
+def blocked_rows(n_pairs: int, n_experts: int, smallest: int = 16) -> int:
   """Rows `blocked_swiglu` computes (a static count, padding included): at most
   min(E, n*K) experts have rows, each padded by at most B - 1, in whole blocks of B."""
-  b = block_rows(n_pairs, n_experts)
+  b = block_rows(n_pairs, n_experts, smallest)
   return (n_pairs + min(n_experts, n_pairs) * (b - 1)) // b * b
+
+
+def _blocks(x_nd, ids_nk, e: int, b: int, nb: int):
+  """The blocked layout: the n*K (token, expert) pairs sorted by expert, each expert's rows
+  padded to whole blocks of b rows. Returns (xs [nb, b, d] (padding rows zero), row [n*K]:
+  each sorted pair's padded row, order [n*K], token_of [n*K], sizes [E], block_expert [nb]:
+  the expert of each block (blocks past the last used one: any), used: int32 [] blocks
+  that hold rows)."""
+  n, k = ids_nk.shape
+  order, token_of = _sort_by_expert(ids_nk)
+  sizes = _counts(ids_nk, e)
+  padded = (sizes + b - 1) // b * b                              # [E] rows, whole blocks
+  padded_end = jnp.cumsum(padded)
+  expert_of = ids_nk.reshape(-1)[order]                          # [n*K], sorted
+  rank = jnp.arange(n * k) - (jnp.cumsum(sizes) - sizes)[expert_of]
+  row = (padded_end - padded)[expert_of] + rank                  # each pair's padded row
+  xs = jnp.zeros((nb * b, x_nd.shape[1]), x_nd.dtype).at[row].set(x_nd[token_of])
+  block_expert = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(nb) * b, side="right"),
+                             e - 1)
+  return xs.reshape(nb, b, -1), row, order, token_of, sizes, block_expert, padded_end[-1] // b
+
+
+def _combine(x_nd, ys_rd, row, order, token_of, weights_nk):
+  """y [n, d]: each token's K expert outputs (padded rows `row` of ys), weighted, summed in
+  sorted-pair order."""
+  ys = ys_rd[row]                                                # [n*K, d], sorted
+  ys = ys * weights_nk.reshape(-1)[order][:, None].astype(ys.dtype)
+  return jnp.zeros_like(x_nd).at[token_of].add(ys)
 
 
 def blocked_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid):
@@ -109,31 +142,50 @@ def blocked_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid):
   nb = `blocked_rows` / B blocks (a static count, enough for any routing). Block j
   multiplies its [B, d] rows by its expert's matrices, gathered per block. Work is n*K rows
   plus the padding, not ragged_dot's E x n*K on XLA:CPU, and each expert matrix is read
-  once per block (a few tokens read only their experts', like `gathered_swiglu`). Padding rows are zero and never read back. Each
-  row's result does not depend on the other rows (every block is a [B, d] matmul, B >= 16).
+  once per block (a few tokens read only their experts', like `gathered_swiglu`). Padding
+  rows are zero and never read back. Each row's result does not depend on the other rows
+  (every block is a [B, d] matmul, B >= 16).
   """
   n, k = ids_nk.shape
   e, d = w_gate_edi.shape[0], x_nd.shape[1]
   b = block_rows(n * k, e)
   nb = blocked_rows(n * k, e) // b
-  order, token_of = _sort_by_expert(ids_nk)
-  sizes = _counts(ids_nk, e)
-  padded = (sizes + b - 1) // b * b                              # [E] rows, whole blocks
-  padded_end = jnp.cumsum(padded)
-  expert_of = ids_nk.reshape(-1)[order]                          # [n*K], sorted
-  rank = jnp.arange(n * k) - (jnp.cumsum(sizes) - sizes)[expert_of]
-  row = (padded_end - padded)[expert_of] + rank                  # each pair's padded row
-  xs = jnp.zeros((nb * b, d), x_nd.dtype).at[row].set(x_nd[token_of]).reshape(nb, b, d)
-  block_expert = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(nb) * b, side="right"),
-                             e - 1)                              # trailing empty blocks: any
+  xs, row, order, token_of, sizes, block_expert, _ = _blocks(x_nd, ids_nk, e, b, nb)
   w_gate, w_up, w_down = (quant.materialize(quant.take(w, block_expert, axis=0))
                           for w in (w_gate_edi, w_up_edi, w_down_eid))
   h = (jax.nn.silu(jnp.einsum("bsd,bdi->bsi", xs, w_gate))
        * jnp.einsum("bsd,bdi->bsi", xs, w_up))
-  ys = jnp.einsum("bsi,bid->bsd", h, w_down).reshape(nb * b, d)[row]    # [n*K, d], sorted
-  ys = ys * weights_nk.reshape(-1)[order][:, None].astype(ys.dtype)
-  y = jnp.zeros_like(x_nd).at[token_of].add(ys)
-  return y, sizes
+  ys = jnp.einsum("bsi,bid->bsd", h, w_down).reshape(nb * b, d)
+  return _combine(x_nd, ys, row, order, token_of, weights_nk), sizes
+
+
+def looped_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid):
+  """`blocked_swiglu`'s result (the same bits), computing only the blocks that hold rows:
+  a loop over them, each taking its expert's matrices and running three [B, d] matmuls.
+  For the engine's forward over a KV cache, never differentiated (a loop of dynamic length).
+
+  The batched kernel's static block count covers any routing, min(E, n*K) experts each
+  with a partial block: at decode sizes most of its blocks are empty or nearly so, and it
+  copies every block's matrices into one [nb, d, I] buffer before multiplying. Here the
+  loop runs the blocks in use, each expert's matrices copied into a buffer that stays in
+  cache, in blocks of B >= 8 rows (`block_rows(..., smallest=8)`; a decode step of one
+  request, whose idle lanes mirror it, gives each of its K experts 8 rows).
+  """
+  n, k = ids_nk.shape
+  e, d = w_gate_edi.shape[0], x_nd.shape[1]
+  b = block_rows(n * k, e, smallest=8)
+  nb = blocked_rows(n * k, e, smallest=8) // b
+  xs, row, order, token_of, sizes, block_expert, used = _blocks(x_nd, ids_nk, e, b, nb)
+  expert = lambda w, i: quant.materialize(quant.take(w, i[None], axis=0))[0]
+
+  def block(j, ys):
+    x, i = xs[j], block_expert[j]
+    h = (jax.nn.silu(jnp.einsum("sd,di->si", x, expert(w_gate_edi, i)))
+         * jnp.einsum("sd,di->si", x, expert(w_up_edi, i)))
+    return ys.at[j].set(jnp.einsum("si,id->sd", h, expert(w_down_eid, i)))
+
+  ys = jax.lax.fori_loop(0, used, block, jnp.zeros((nb, b, d), x_nd.dtype))
+  return _combine(x_nd, ys.reshape(nb * b, d), row, order, token_of, weights_nk), sizes
 
 
 def gathered_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid):

@@ -12,15 +12,21 @@ inference engine derives from its block table (`block_rows`). The model sees:
     cache   {"layers": {stack: {layer_j: {"kv": [R, N, c+p], "k_idx": [R, N, d_i]}}},
              "mtp": {"kv": [N, c+p], "k_idx": [N, d_i]} or None}
             (R: the stack's scan length, N: pool rows; the layout of the parameters)
-    CacheIndex(write_bt, read_bs, limit_bt)
+    CacheIndex(write_bt, read_bs, limit_bt, layer)
             write_bt  int32 [b, t]  pool row of each new token (>= N: not written, padding)
             read_bs   int32 [b, s]  pool row of logical positions 0 .. s-1 of each sequence
             limit_bt  int32 [b, t]  last logical position each new token may see (its own)
+            layer     int32 []      the entry of a stacked pool [R, N, x] a layer uses (the
+                                    layer scan's repeat; set by the scan), or None for an
+                                    unstacked pool [N, x] (the MTP layer)
 
 A forward over the cache first writes the new tokens' rows, then gathers each
-sequence's view `pool[read_bs]` and attends within it, query i seeing view positions
+sequence's view `pool[layer, read_bs]` and attends within it, query i seeing view positions
 0 .. limit[b, i]: new tokens see the cached prefix, each other causally, and nothing
-beyond (stale or foreign rows past the limit are never selected).
+beyond (stale or foreign rows past the limit are never selected). A stacked pool travels
+whole through the layer scan (in its carry) and each layer scatters its rows into its own
+entry: on XLA:CPU a pool sliced per layer (scan inputs and outputs) is copied twice per
+layer and step, which at long contexts cost more than the weights (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ class CacheIndex(NamedTuple):
   write_bt: Any
   read_bs: Any
   limit_bt: Any
+  layer: Any = None
 
 
 def layer_cache(cfg, num_rows: int, has_indexer: bool, lead=(), kv_dtype=None):
@@ -63,12 +70,17 @@ def _fit(rows, dtype):
   return rows.astype(dtype)
 
 
-def _write_local(pool_nx, rows_btx, write_bt):
-  return pool_nx.at[write_bt].set(_fit(rows_btx, pool_nx.dtype), mode="drop")
+def _at(pool, rows, layer):
+  """pool.at[rows] of an unstacked pool [N, x], pool.at[layer, rows] of a stacked one."""
+  return pool.at[rows] if layer is None else pool.at[layer, rows]
 
 
-def _read_local(pool_nx, read_bs):
-  return jnp.take(pool_nx, read_bs, axis=0, mode="clip")
+def _write_local(pool, rows_btx, write_bt, layer=None):
+  return _at(pool, write_bt, layer).set(_fit(rows_btx, pool.dtype), mode="drop")
+
+
+def _read_local(pool, read_bs, layer=None):
+  return _at(pool, read_bs, layer).get(mode="clip")
 
 
 def request_axes(num_rows: int, batch: int):
@@ -89,34 +101,39 @@ def request_axes(num_rows: int, batch: int):
   return axes
 
 
-def _on_shards(fn, pool_nx, rows_b, rows_idx, axes):
-  """fn(local pool, rows, local row indices) on each shard; indices of other shards are
-  moved out of range (writes dropped; reads of them never happen)."""
-  def local(pool, x, idx):
-    n_local = pool.shape[0]
+def _on_shards(fn, pool, rows_b, rows_idx, layer, axes, out_is_pool: bool):
+  """fn(local pool, rows, local row indices, layer) on each shard; indices of other shards
+  are moved out of range (writes dropped; reads of them never happen). Its output is split
+  like the pool (a write) or like the batch (a read)."""
+  stacked = layer is not None
+  def local(pool, x, idx, layer):
+    n_local = pool.shape[-2]
     idx = idx - jax.lax.axis_index(axes) * n_local
     idx = jnp.where((idx >= 0) & (idx < n_local), idx, n_local)
-    return fn(pool, x, idx)
+    return fn(pool, x, idx, layer if stacked else None)
   spec = P(axes)
-  return jax.shard_map(local, in_specs=(spec, spec, spec), out_specs=spec,
-                       check_vma=False)(pool_nx, rows_b, rows_idx)
+  pool_spec = P(None, axes) if stacked else spec
+  return jax.shard_map(local, in_specs=(pool_spec, spec, spec, P()),
+                       out_specs=pool_spec if out_is_pool else spec, check_vma=False)(
+                           pool, rows_b, rows_idx, jnp.int32(0) if layer is None else layer)
 
 
-def write(pool_nx, rows_btx, write_bt):
-  """pool[write[b, i]] = rows[b, i]; rows whose target is out of range are dropped."""
-  axes = request_axes(pool_nx.shape[0], write_bt.shape[0])
+def write(pool, rows_btx, write_bt, layer=None):
+  """pool[layer, write[b, i]] = rows[b, i] (pool[write[b, i]] with layer None); rows whose
+  target is out of range are dropped."""
+  axes = request_axes(pool.shape[-2], write_bt.shape[0])
   if axes is None:
-    return _write_local(pool_nx, rows_btx, write_bt)
-  return _on_shards(_write_local, pool_nx, rows_btx, write_bt, axes)
+    return _write_local(pool, rows_btx, write_bt, layer)
+  return _on_shards(_write_local, pool, rows_btx, write_bt, layer, axes, True)
 
 
-def read(pool_nx, read_bs):
-  """Each sequence's view [b, s, x] of the pool."""
-  axes = request_axes(pool_nx.shape[0], read_bs.shape[0])
+def read(pool, read_bs, layer=None):
+  """Each sequence's view [b, s, x] of the pool (of its entry `layer` when stacked)."""
+  axes = request_axes(pool.shape[-2], read_bs.shape[0])
   if axes is None:
-    return _read_local(pool_nx, read_bs)
-  return _on_shards(lambda pool, _, idx: _read_local(pool, idx), pool_nx, read_bs, read_bs,
-                    axes)
+    return _read_local(pool, read_bs, layer)
+  return _on_shards(lambda pool, _, idx, layer: _read_local(pool, idx, layer), pool, read_bs,
+                    read_bs, layer, axes, False)
 
 
 def block_rows(table_bm, block_size: int):

@@ -109,13 +109,14 @@ def stack_layers(cfg, per_layer: Sequence[Any], stack=np.stack):
 class LayerBlock(nn.Module):
   """One repeat of a stack's block: the body of the scan.
 
-  carry: (h [b,t,d], top-k indices [b,t,k] int32 or None). Outputs per repeat: the
-  indexer KL of each block layer `kl [p]` (0 where the layer has no indexer), the expert
-  load of each MoE layer `load [p_moe, E]`, with `return_topk` the top-k of each layer, with
-  `return_routing` the routed experts of each MoE layer `routing [p_moe, b, t, K]`, and
-  with a KV cache (scanned like the parameters, nn/kv_cache.py) the updated cache.
-  `replay`: [p_moe, b, t, K] experts each MoE layer of the block uses (routing replay), or
-  None.
+  carry: (h [b,t,d], top-k indices [b,t,k] int32 or None, the stack's KV pools or None).
+  Outputs per repeat: the indexer KL of each block layer `kl [p]` (0 where the layer has no
+  indexer), the expert load of each MoE layer `load [p_moe, E]`, with `return_topk` the
+  top-k of each layer, with `return_routing` the routed experts of each MoE layer
+  `routing [p_moe, b, t, K]`. The KV pools ([R, N, x] per block layer, nn/kv_cache.py) ride
+  in the carry whole: `repeat` (int32 [], this repeat's index) is the entry each layer
+  writes and reads in place (`CacheIndex.layer`). `replay`: [p_moe, b, t, K] experts each MoE
+  layer of the block uses (routing replay), or None.
   """
   cfg: Any
   block: tuple[LayerKind, ...]
@@ -124,9 +125,11 @@ class LayerBlock(nn.Module):
   return_routing: bool = False
 
   @nn.compact
-  def __call__(self, carry, cos, sin, doc_start, order, cache, cache_index, replay):
-    h, indices = carry
+  def __call__(self, carry, cos, sin, doc_start, order, repeat, cache_index, replay):
+    h, indices, cache = carry
     layer_cls = decoder_lib.remat_layer(self.cfg)
+    if cache is not None:
+      cache_index = cache_index._replace(layer=repeat)
     kls, loads, topk, routing, caches = [], [], [], [], {}
     for j, kind in enumerate(self.block):
       name = f"layer_{j}"
@@ -148,9 +151,7 @@ class LayerBlock(nn.Module):
       ys["routing"] = jnp.stack(routing)
     if self.return_topk and topk[0] is not None:
       ys["topk"] = jnp.stack(topk)
-    if cache is not None:
-      ys["cache"] = caches
-    return (h, indices), ys
+    return (h, indices, None if cache is None else caches), ys
 
 
 def scanned(stack: LayerStack):
@@ -170,7 +171,7 @@ def run_stacks(module: nn.Module, cfg, h, cos, sin, doc_start, order, *, with_in
                return_topk, cache=None, cache_index=None, return_routing=False, replay=None):
   """All decoder layers of `cfg`, one scan per stack, as submodules of `module`.
 
-  cache: {stack name: stacked per-layer pools} (nn/kv_cache.py), read and written.
+  cache: {stack name: stacked per-layer pools} (nn/kv_cache.py), read and written in place.
   replay: int32 [L_moe, b, t, K] experts of every MoE layer in layer order (routing replay;
     rows of -1 route as usual), or None.
 
@@ -193,10 +194,12 @@ def run_stacks(module: nn.Module, cfg, h, cos, sin, doc_start, order, *, with_in
     row += st.repeats * n_moe
     block = scanned(st)(cfg, st.block, with_indexer_loss, return_topk, return_routing,
                         name=st.name, parent=module)
-    (h, indices), ys = block((h, indices), cos, sin, doc_start, order,
-                             None if cache is None else cache[st.name], cache_index, rep)
+    pools = None if cache is None else cache[st.name]
+    repeats = None if cache is None else jnp.arange(st.repeats, dtype=jnp.int32)
+    (h, indices, pools), ys = block((h, indices, pools), cos, sin, doc_start, order, repeats,
+                                    cache_index, rep)
     if cache is not None:
-      new_cache[st.name] = ys["cache"]
+      new_cache[st.name] = pools
     kls.append(ys["kl"].reshape(-1))
     if "load" in ys:
       loads.append(ys["load"].reshape(-1, ys["load"].shape[-1]))

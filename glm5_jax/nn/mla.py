@@ -157,8 +157,8 @@ class MLA(nn.Module):
     keys (latent rows, indexer keys) are gathered back to natural order and query i sees
     keys doc_start[i] <= j <= order[i].
 
-    cache, cache_index: this layer's pool {'kv', 'k_idx'} and where the new tokens go
-    (nn/kv_cache.py). The new rows are written first; attention and the indexer then run
+    cache, cache_index: this layer's pool {'kv', 'k_idx'} (its stack's, [R, N, x], with
+    `cache_index.layer` its entry) and where the new tokens go (nn/kv_cache.py). The new rows are written first; attention and the indexer then run
     over each sequence's view of the pool, query i seeing positions 0 .. limit[b, i].
     The fourth output is the updated pool (None without a cache).
     """
@@ -189,8 +189,9 @@ class MLA(nn.Module):
     kv = jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], axis=-1)
     new_cache = None
     if cache is not None:
-      new_cache = {**cache, "kv": kv_cache.write(cache["kv"], kv, cache_index.write_bt)}
-      kv = kv_cache.read(new_cache["kv"], cache_index.read_bs).astype(kv.dtype)
+      at = cache_index.layer
+      new_cache = {**cache, "kv": kv_cache.write(cache["kv"], kv, cache_index.write_bt, at)}
+      kv = kv_cache.read(new_cache["kv"], cache_index.read_bs, at).astype(kv.dtype)
       limit = cache_index.limit_bt
     else:
       kv = cp.gather_keys(kv, order)
@@ -209,8 +210,8 @@ class MLA(nn.Module):
     if self.has_indexer:
       q_i, k_i, w_i = indexer_lib.Indexer(cfg, name="indexer")(x_btd, c_q, cos, sin)
       if cache is not None:
-        new_cache["k_idx"] = kv_cache.write(cache["k_idx"], k_i, cache_index.write_bt)
-        k_i = kv_cache.read(new_cache["k_idx"], cache_index.read_bs)
+        new_cache["k_idx"] = kv_cache.write(cache["k_idx"], k_i, cache_index.write_bt, at)
+        k_i = kv_cache.read(new_cache["k_idx"], cache_index.read_bs, at)
       else:
         k_i = cp.gather_keys(k_i, order)
       self.sow("intermediates", "indexer_qkw", (q_i, k_i, w_i))   # for tests / analysis
