@@ -23,6 +23,15 @@ Sections (`--sections`, default all):
               float32 forward on the same tokens (the train/rollout gap at bf16).
   contexts    decode tokens/s at batch 1 after a long prompt, and KV-cache bytes/token
               (this latent cache vs a per-head K/V cache).
+  floor       the decode step against its memory floor (glm5_jax/inference/roofline.py):
+              per preset (`--floor_presets`, random weights), context (`--floor_contexts`
+              prompt tokens) and batch (`--floor_batches`), the bytes a step must read (the
+              routed experts its tokens select, recorded by the engine), this machine's
+              streaming bandwidth (a jitted sum over 256 MiB, measured in the same run), the
+              floor time, the engine's measured step time (decode seconds / decode steps of
+              `generate`, greedy, the prompts' blocks cached after the first run) and
+              floor / step. Batch-invariant engine (RL's exactness mode: a lone request
+              runs 8 lanes on CPU). Medians of `--floor_repeats` interleaved runs.
 
 Writes the JSON of every section and prints a table per section.
 """
@@ -40,16 +49,18 @@ import numpy as np
 
 from glm5_jax import config as config_lib
 from glm5_jax import nn as gnn
+from glm5_jax import timing
 from glm5_jax.evals import mtp_acceptance
 from glm5_jax.inference import Engine
 from glm5_jax.inference import SamplingParams
 from glm5_jax.inference import engine as engine_lib
+from glm5_jax.inference import roofline
 from glm5_jax.inference import steps
 from glm5_jax.nn import kv_cache
 from glm5_jax.nn import layer_stack
 from glm5_jax.train import checkpoint as train_checkpoint
 
-SECTIONS = ("continuous", "prefix", "hf", "speculative", "bf16", "contexts")
+SECTIONS = ("continuous", "prefix", "hf", "speculative", "bf16", "contexts", "floor")
 _SECTIONS = flags.DEFINE_list("sections", list(SECTIONS), f"any of {SECTIONS}")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "pretraining workdir or HF dir (trained "
                                   "weights; default: random tiny weights)")
@@ -62,6 +73,14 @@ _SPEC_NEW = flags.DEFINE_integer("spec_new_tokens", 96, "tokens per speculative 
 _SPEC_ROUNDS = flags.DEFINE_integer("spec_rounds", 32, "speculative rounds per device call")
 _SPEC_PROMPTS = flags.DEFINE_integer("spec_prompts", 8, "prompts of the speculative section")
 _CONTEXTS = flags.DEFINE_list("contexts", ["1024", "4096"], "prompt lengths (contexts)")
+_FLOOR_PRESETS = flags.DEFINE_list("floor_presets", ["tiny", "small"], "presets (random "
+                                   "weights) of the floor section")
+_FLOOR_BATCHES = flags.DEFINE_list("floor_batches", ["1", "16", "64"], "floor: batch sizes")
+_FLOOR_CONTEXTS = flags.DEFINE_list("floor_contexts", ["32", "1024", "4096"],
+                                    "floor: prompt tokens before the decode steps")
+_FLOOR_NEW = flags.DEFINE_integer("floor_new_tokens", 33, "floor: tokens generated per "
+                                  "request (the first by the prefill)")
+_FLOOR_REPEATS = flags.DEFINE_integer("floor_repeats", 5, "floor: interleaved timed runs")
 _OUT = flags.DEFINE_string("out", "bench_decode.json", "JSON output path")
 
 
@@ -320,6 +339,69 @@ def bench_contexts(cfg, params):
                  "prefill_tok_s": st["prefill_tokens"] / st["prefill_s"],
                  **{f"kv_bytes_per_token_{k}": v for k, v in kv_cache.bytes_per_token(c).items()}})
     print(f"  {rows[-1]}", flush=True)
+  return rows
+
+
+def stream_gbs(mib: int = 256) -> float:
+  """GB/s of a jitted sum over `mib` MiB of float32 (read once), median of 7 runs."""
+  x = jnp.ones((mib * 2 ** 20 // 4,), jnp.float32)
+  return x.nbytes / timing.median_time(jax.jit(jnp.sum), x, repeats=7) / 1e9
+
+
+def _floor_bytes(cfg, params, outs, ctx, n_new):
+  """Mean bytes of the decode steps of `outs` (greedy, recorded routing): step i processes
+  position ctx + i of every request."""
+  need = []
+  for i in range(n_new - 1):
+    pos = ctx + i
+    used = roofline.distinct_experts([o.routing[pos] for o in outs])
+    need.append(roofline.decode_bytes(cfg, params, used, [pos + 1] * len(outs)))
+  return {k: float(np.mean([n[k] for n in need])) for k in need[0]}
+
+
+def bench_floor(cfg, params):
+  del cfg, params                                    # random weights of each preset
+  gbs = stream_gbs()
+  print(f"  streaming read: {gbs:.1f} GB/s", flush=True)
+  batches = [int(b) for b in _FLOOR_BATCHES.value]
+  n_new = _FLOOR_NEW.value
+  sp = SamplingParams(max_new_tokens=n_new, temperature=0.0)
+  rows = []
+  for name in _FLOOR_PRESETS.value:
+    for ctx in (int(c) for c in _FLOOR_CONTEXTS.value):
+      c = config_lib.get_preset(name)
+      c = c.replace(max_position_embeddings=max(c.max_position_embeddings, ctx + n_new + 16))
+      params = gnn.init_params(c, 0)
+      kw = dict(max_batch=max(batches), max_len=ctx + n_new + 16, prefill_chunk=512)
+      prompts = _prompts(c, max(batches), ctx, 11)
+      # The bytes: the same greedy requests on an engine that records their routing (batch
+      # invariance: the same tokens as the timed engine's).
+      recorder = Engine(c, params, record_routing=True, **kw)
+      need = {b: _floor_bytes(c, params, recorder.generate(prompts[:b], sp,
+                                                           record_routing=True), ctx, n_new)
+              for b in batches}
+      del recorder
+      eng = Engine(c, params, **kw)
+      for b in batches:                                   # compile; the prompts' blocks cached
+        eng.generate(prompts[:b], sp)
+      times = {b: [] for b in batches}
+      for _ in range(_FLOOR_REPEATS.value):
+        for b in batches:
+          eng.generate(prompts[:b], sp)
+          st = eng.last_stats
+          times[b].append(st["decode_s"] / st["decode_steps"])
+      for b in batches:
+        step_s = float(np.median(times[b]))
+        floor_s = need[b]["total"] / (gbs * 1e9)
+        rows.append({"preset": name, "context": ctx, "batch": b, "stream_gbs": gbs,
+                     **{f"{k}_bytes": v for k, v in need[b].items()}, "floor_ms": floor_s * 1e3,
+                     "step_ms": step_s * 1e3, "step_ms_all": [t * 1e3 for t in times[b]],
+                     "fraction": floor_s / step_s})
+        r = rows[-1]
+        print(f"  {name:>5} ctx {ctx:>5} batch {b:>3}: {r['total_bytes'] / 1e6:8.1f} MB "
+              f"(weights {r['weights_bytes'] / 1e6:.1f}, experts {r['experts_bytes'] / 1e6:.1f}, "
+              f"kv {r['kv_bytes'] / 1e6:.1f})  floor {r['floor_ms']:7.2f} ms  step "
+              f"{r['step_ms']:7.2f} ms  {r['fraction']:6.1%}", flush=True)
   return rows
 
 

@@ -23,6 +23,7 @@ import pytest
 
 from glm5_jax import config as config_lib
 from glm5_jax import nn as gnn
+from glm5_jax import numerics
 from glm5_jax.inference import Engine
 from glm5_jax.inference import SamplingParams
 from glm5_jax.inference import engine as engine_lib
@@ -115,16 +116,17 @@ def test_sampled_batch_logprobs_and_topk_match_the_trainer(engine, reference, rn
 
 
 def test_a_lone_request_equals_the_trainer_bitwise(cfg, engine, reference, rng):
-  """Batch invariance: alone, a request still runs in calls of invariant_tokens tokens (2 on
-  CPU; E/K = 4 for tiny elsewhere, below which the MoE takes its gathered kernel), not in one
-  lane, where XLA:CPU's one-row batched dots sum in another order. Its log-probs equal the
-  trainer's to the bit."""
+  """Batch invariance: alone, a request still runs in calls of invariant_tokens tokens (8 on
+  CPU, glm5_jax/numerics.py; E/K = 4 for tiny elsewhere, below which the MoE takes its
+  gathered kernel), not in one lane, where XLA:CPU's small matmuls sum in another order. Its
+  log-probs equal the trainer's to the bit."""
   assert engine_lib.invariant_tokens(cfg, "gpu") == engine_lib.invariant_tokens(cfg, "tpu") == 4
-  assert engine_lib.invariant_tokens(cfg) == 2 and len(engine._lanes([1])) == 2
+  assert engine_lib.invariant_tokens(cfg) == numerics.MIN_INVARIANT_ROWS == 8
+  assert len(engine._lanes([1])) == 8
   assert len(engine._lanes([0, 2], t=16)) == 2
   engine.shape_buckets = False          # one decode shape: every slot, the whole view
   try:
-    assert len(engine._lanes([0, 2], t=16)) == 3 and len(engine._lanes([1])) == 3
+    assert len(engine._lanes([0, 2], t=16)) == 3 and len(engine._lanes([1])) == 8
     assert engine._table([engine.max_batch] * 4, 5).shape == (4, 16)   # pow2 of 96 / 8
   finally:
     engine.shape_buckets = True

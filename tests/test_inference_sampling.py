@@ -39,6 +39,23 @@ def test_greedy_is_the_argmax_with_ties_to_the_lower_id():
   np.testing.assert_array_equal(_q([0.0, 2.0, 2.0, 1.0], temperature=0.0), [0, 1, 0, 0])
 
 
+def test_greedy_equals_numpy_argmax_with_ties_infinities_and_nan(rng):
+  """`greedy`'s two reductions against NumPy's argmax (first maximum; a NaN, the first one,
+  ranks highest), row by row, jitted."""
+  x = rng.integers(-3, 3, size=(9, 40)).astype(np.float32)          # many ties
+  x[1] = -np.inf
+  x[2, [5, 17]] = np.inf
+  x[3, [7, 30]] = np.nan
+  x[4, 0] = np.nan
+  x[5] = 0.0
+  x[5, 39] = -0.0
+  x[6] = rng.normal(size=40).astype(np.float32)
+  x[7, [3, 4]] = np.finfo(np.float32).max
+  got = np.asarray(jax.jit(sampling.greedy)(jnp.asarray(x)))
+  np.testing.assert_array_equal(got, np.argmax(x, -1))
+  np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), -1)))
+
+
 def test_raw_logprobs_ignore_the_sampling_processors():
   logits = jnp.asarray([[1.0, 2.0, 3.0]])
   lp = sampling.raw_logprobs(logits, jnp.asarray([0]))

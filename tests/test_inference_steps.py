@@ -54,3 +54,12 @@ def test_pad_lanes_appends_inert_rows_with_the_value():
   got = steps.pad_lanes(jnp.asarray(x), 4, 9)
   np.testing.assert_array_equal(got, np.concatenate([x, np.full((2, 3), 9, np.int32)]))
   np.testing.assert_array_equal(steps.pad_lanes(jnp.asarray(x), 2), x)            # no-op
+
+
+def test_mirror_idle_copies_the_first_active_lane_into_idle_lanes():
+  active = jnp.asarray([False, True, False, True])
+  tok = jnp.asarray([7, 8, 9, 10])
+  table = jnp.arange(8).reshape(4, 2)
+  got_tok, got_table = steps.mirror_idle(active, tok, table)
+  np.testing.assert_array_equal(got_tok, [8, 8, 8, 10])
+  np.testing.assert_array_equal(got_table, [[2, 3], [2, 3], [2, 3], [6, 7]])

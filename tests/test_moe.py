@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from glm5_jax import config as config_lib
+from glm5_jax import quant
 from glm5_jax.nn import ffn
 from glm5_jax.nn import moe
 
@@ -129,6 +130,31 @@ def test_blocked_swiglu_equals_ragged_dot_and_token_loop(rng, n, e, k, skew):
     routed = jax.jit(lambda *a, kernel=kernel: ffn.routed_swiglu(kernel, *a))(*args)
     np.testing.assert_array_equal(routed[0], got)
     np.testing.assert_array_equal(routed[1], counts)
+
+
+@pytest.mark.parametrize("n,e,k,skew", [(1, 8, 2, False), (8, 32, 4, True), (40, 8, 2, True)])
+def test_looped_swiglu_is_blocked_swiglu_bitwise_on_a_layer_or_a_stack(rng, n, e, k, skew):
+  """The engine's loop over the blocks in use: the batched kernel's bits, with the weights of
+  one layer [E, ...] or a stack [R, E, ...] and the layer's index, float32 or INT4."""
+  x, ids, wts, (wg, wu, wd) = _pairs(rng, n, 16, 8, e, k, skew)
+  f32 = lambda a: jnp.asarray(a, jnp.float32)
+  args = (f32(x), jnp.asarray(ids, jnp.int32), f32(wts))
+  w = (f32(wg), f32(wu), f32(wd))
+  want = jax.jit(ffn.blocked_swiglu)(*args, *w)
+  got = jax.jit(ffn.looped_swiglu)(*args, *w)
+  stacks = [jnp.stack([v * 0.5, v, v * 2.0]) for v in w]                  # [R=3, E, ...]
+  from_stack = jax.jit(ffn.looped_swiglu)(*args, *stacks, layer=jnp.int32(1))
+  for y in (got, from_stack):
+    np.testing.assert_array_equal(y[0], want[0])
+    np.testing.assert_array_equal(y[1], want[1])
+  np.testing.assert_allclose(got[0], _np_swiglu_loop(x, ids, wts, wg, wu, wd), rtol=1e-4,
+                             atol=1e-4)
+  scheme = quant.Scheme("int4", 8, "experts")
+  q = [quant.quantize(v, scheme, quant.Layout(batch=1, reduction=1)) for v in w]
+  q_stacks = [quant.quantize(v, scheme, quant.Layout(batch=2, reduction=1)) for v in stacks]
+  np.testing.assert_array_equal(jax.jit(ffn.looped_swiglu)(*args, *q_stacks,
+                                                           layer=jnp.int32(1))[0],
+                                jax.jit(ffn.blocked_swiglu)(*args, *q)[0])
 
 
 def test_blocked_swiglu_rows_do_not_depend_on_the_other_rows(rng):

@@ -135,9 +135,18 @@ def sample(keys_b, logq_bv):
 
 
 def greedy(logits_bv):
-  """The argmax per row, ties -> lower token id: int32 [..]. The token `sample` draws from
-  a greedy row's one-hot `sampling_logprobs`, without building that distribution."""
-  return jnp.argmax(logits_bv.astype(jnp.float32), axis=-1).astype(jnp.int32)
+  """The argmax per row, ties -> lower token id (a NaN, the first one, ranks highest, as in
+  `jnp.argmax`): int32 [..]. The token `sample` draws from a greedy row's one-hot
+  `sampling_logprobs`, without building that distribution.
+
+  As two plain reductions (the maximum, then the lowest index holding it): XLA:CPU runs
+  `jnp.argmax`'s (value, index) reduction element by element, 0.6 ms of a 17 ms decode step
+  of `small` at 8 rows x 32,768 tokens."""
+  x = logits_bv.astype(jnp.float32)
+  top = jnp.max(x, axis=-1, keepdims=True)                    # NaN if the row has one
+  hit = (x == top) | (jnp.isnan(x) & jnp.isnan(top))
+  v = x.shape[-1]
+  return jnp.min(jnp.where(hit, jnp.arange(v, dtype=jnp.int32), v), axis=-1)
 
 
 def row_keys(seed_b, request_b, counter_b):

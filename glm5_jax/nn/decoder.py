@@ -22,14 +22,16 @@ class DecoderLayer(nn.Module):
   """Returns (h [b,t,d], top-k indices or None, indexer KL or None, expert load [E] or None,
   updated cache or None, routed expert ids [b,t,K] or None). `cache`, `cache_index`: this
   layer's KV pool (nn/kv_cache.py); `replay`: MoE experts to use (rollout routing replay,
-  nn/moe.py `route`)."""
+  nn/moe.py `route`); `experts_stack`: the MoE's experts as its whole scanned stack and this
+  layer's index in it (the engine's forward, nn/moe.py `select_dispatch`)."""
   cfg: "ModelConfig"  # noqa: F821
   moe: bool
   has_indexer: bool = True
 
   @nn.compact
   def __call__(self, h_btd, cos, sin, prev_indices=None, doc_start=None,
-               with_indexer_loss=False, order=None, cache=None, cache_index=None, replay=None):
+               with_indexer_loss=False, order=None, cache=None, cache_index=None, replay=None,
+               experts_stack=None):
     cfg = self.cfg
     h_btd = checkpoint_name(nn.with_logical_constraint(h_btd, _ACT), "decoder_layer_input")
     x = norms.RMSNorm(cfg.rms_norm_eps, param_dtype=cfg.param_dtype, name="input_norm")(h_btd)
@@ -40,7 +42,7 @@ class DecoderLayer(nn.Module):
     x = norms.RMSNorm(cfg.rms_norm_eps, param_dtype=cfg.param_dtype,
                       name="post_attention_norm")(h_btd)
     if self.moe:
-      y, load, ids = moe_lib.MoE(cfg, name="moe")(x, replay, cache is not None)
+      y, load, ids = moe_lib.MoE(cfg, name="moe")(x, replay, cache is not None, experts_stack)
     else:
       y, load, ids = ffn.MLP(cfg, cfg.intermediate_size, name="mlp")(x), None, None
     h_btd = h_btd + y.astype(h_btd.dtype)

@@ -159,7 +159,7 @@ def blocked_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid):
   return _combine(x_nd, ys, row, order, token_of, weights_nk), sizes
 
 
-def looped_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid):
+def looped_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid, layer=None):
   """`blocked_swiglu`'s result (the same bits), computing only the blocks that hold rows:
   a loop over them, each taking its expert's matrices and running three [B, d] matmuls.
   For the engine's forward over a KV cache, never differentiated (a loop of dynamic length).
@@ -170,13 +170,21 @@ def looped_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid):
   loop runs the blocks in use, each expert's matrices copied into a buffer that stays in
   cache, in blocks of B >= 8 rows (`block_rows(..., smallest=8)`; a decode step of one
   request, whose idle lanes mirror it, gives each of its K experts 8 rows).
+
+  layer: None, or the entry of stacked weights [R, E, ...] (a scanned stack's, passed whole
+  with the repeat's index, nn/layer_stack.py): each block then reads its expert's matrices
+  out of the stack; a stack sliced per layer outside the loop would be copied whole, every
+  layer and step, before the loop could start.
   """
   n, k = ids_nk.shape
-  e, d = w_gate_edi.shape[0], x_nd.shape[1]
+  e, d = w_gate_edi.shape[-3], x_nd.shape[1]
   b = block_rows(n * k, e, smallest=8)
   nb = blocked_rows(n * k, e, smallest=8) // b
   xs, row, order, token_of, sizes, block_expert, used = _blocks(x_nd, ids_nk, e, b, nb)
-  expert = lambda w, i: quant.materialize(quant.take(w, i[None], axis=0))[0]
+
+  def expert(w, i):
+    at = (i,) if layer is None else (layer, i)
+    return quant.materialize(jax.tree.map(lambda a: a[at], w), x_nd.dtype)
 
   def block(j, ys):
     x, i = xs[j], block_expert[j]

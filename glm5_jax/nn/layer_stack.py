@@ -116,7 +116,9 @@ class LayerBlock(nn.Module):
   `routing [p_moe, b, t, K]`. The KV pools ([R, N, x] per block layer, nn/kv_cache.py) ride
   in the carry whole: `repeat` (int32 [], this repeat's index) is the entry each layer
   writes and reads in place (`CacheIndex.layer`). `replay`: [p_moe, b, t, K] experts each MoE
-  layer of the block uses (routing replay), or None.
+  layer of the block uses (routing replay), or None. `experts`: with a cache, {block layer
+  name: (w_gate, w_up, w_down)} the stack's routed experts whole [R, E, ...]: each MoE layer
+  reads its own experts out of them at `repeat` (`stack_experts`).
   """
   cfg: Any
   block: tuple[LayerKind, ...]
@@ -125,7 +127,8 @@ class LayerBlock(nn.Module):
   return_routing: bool = False
 
   @nn.compact
-  def __call__(self, carry, cos, sin, doc_start, order, repeat, cache_index, replay):
+  def __call__(self, carry, cos, sin, doc_start, order, repeat, cache_index, replay,
+               experts=None):
     h, indices, cache = carry
     layer_cls = decoder_lib.remat_layer(self.cfg)
     if cache is not None:
@@ -134,10 +137,11 @@ class LayerBlock(nn.Module):
     for j, kind in enumerate(self.block):
       name = f"layer_{j}"
       rep = None if replay is None or not kind.moe else replay[len(loads)]
+      stack = (experts[name], repeat) if experts and name in experts else None
       h, idx, kl, load, caches[name], ids = layer_cls(
           self.cfg, moe=kind.moe, has_indexer=kind.has_indexer, name=name)(
               h, cos, sin, indices, doc_start, self.with_indexer_loss, order,
-              None if cache is None else cache[name], cache_index, rep)
+              None if cache is None else cache[name], cache_index, rep, stack)
       indices = idx if idx is not None else indices
       kls.append(jnp.zeros((), jnp.float32) if kl is None else kl)
       if load is not None:
@@ -158,8 +162,22 @@ def scanned(stack: LayerStack):
   """`LayerBlock` scanned `stack.repeats` times, parameters stacked on the `layers` axis."""
   return nn.scan(LayerBlock, variable_axes={"params": 0, "intermediates": 0},
                  split_rngs={"params": True},
-                 in_axes=(nn.broadcast,) * 4 + (0, nn.broadcast, 0),
+                 in_axes=(nn.broadcast,) * 4 + (0, nn.broadcast, 0, nn.broadcast),
                  length=stack.repeats, metadata_params={nn.PARTITION_NAME: LAYERS_AXIS})
+
+
+def stack_experts(module: nn.Module, st: LayerStack):
+  """{block layer name: (w_gate, w_up, w_down)}: the routed experts of the stack `st` of
+  `module` (bound, its parameters present), whole [R, E, ...]. The engine's forward passes
+  them into the scan beside the sliced parameters: on XLA:CPU its expert loop
+  (`ffn.looped_swiglu`) then copies the experts a step uses, not the layer's whole stack
+  (48 MB per MoE layer of `small`, every step)."""
+  params = module.variables.get("params", {}).get(st.name)
+  if params is None:
+    return None
+  return {f"layer_{j}": tuple(params[f"layer_{j}"]["moe"]["experts"][w]
+                              for w in ("w_gate", "w_up", "w_down"))
+          for j, kind in enumerate(st.block) if kind.moe}
 
 
 def num_moe_layers(cfg) -> int:
@@ -196,8 +214,9 @@ def run_stacks(module: nn.Module, cfg, h, cos, sin, doc_start, order, *, with_in
                         name=st.name, parent=module)
     pools = None if cache is None else cache[st.name]
     repeats = None if cache is None else jnp.arange(st.repeats, dtype=jnp.int32)
+    experts = None if cache is None else stack_experts(module, st)
     (h, indices, pools), ys = block((h, indices, pools), cos, sin, doc_start, order, repeats,
-                                    cache_index, rep)
+                                    cache_index, rep, experts)
     if cache is not None:
       new_cache[st.name] = pools
     kls.append(ys["kl"].reshape(-1))

@@ -69,27 +69,35 @@ def route(cfg, x_nd, router_de, bias_e, replay_nk=None):
   return ids.astype(jnp.int32), weights * cfg.routed_scaling_factor
 
 
-def select_dispatch(cfg, n_tokens: int, cached: bool = False):
+def select_dispatch(cfg, n_tokens: int, cached: bool = False, stack=None):
   """The routed-expert kernel for n_tokens tokens (static), per the module docstring table.
 
   Expert-parallel all-to-all, when active, is kept regardless of the token count;
   otherwise gathered_swiglu when n*K < E, ragged_swiglu when n*K >= E, each through
   `ffn.routed_swiglu`: blocked_swiglu on XLA:CPU, or with `cached` (the engine's forward
-  over a KV cache, never differentiated) looped_swiglu, its blocks in use only.
+  over a KV cache, never differentiated) looped_swiglu, its blocks in use only. `stack`:
+  ((w_gate, w_up, w_down) stacked [R, E, ...], layer index) — the CPU loop then reads the
+  experts out of the whole stack (`ffn.looped_swiglu`).
   """
   if cfg.expert_dispatch == "all_to_all" and moe_ep.expert_parallel_size() > 1:
     return functools.partial(moe_ep.ep_grouped_swiglu,   # all-to-all inside shard_map
                              capacity_factor=cfg.moe_capacity_factor)
   kernel = (ffn.gathered_swiglu if n_tokens * cfg.num_experts_per_tok < cfg.n_routed_experts
             else ffn.ragged_swiglu)
-  return functools.partial(ffn.routed_swiglu, kernel,
-                           cpu=ffn.looped_swiglu if cached else ffn.blocked_swiglu)
+  cpu = ffn.blocked_swiglu
+  if stack is not None:
+    ws, layer = stack
+    cpu = lambda x, ids, wts, *_: ffn.looped_swiglu(x, ids, wts, *ws, layer=layer)
+  elif cached:
+    cpu = ffn.looped_swiglu
+  return functools.partial(ffn.routed_swiglu, kernel, cpu=cpu)
 
 
 class MoE(nn.Module):
   """Routed experts + shared expert. Returns (y [b,t,d], expert load fraction f32 [E],
   routed expert ids int32 [b, t, K]); `replay_btk`: experts to use instead (`route`);
-  `cached`: the engine's forward over a KV cache (`select_dispatch`).
+  `cached`: the engine's forward over a KV cache; `stack`: this layer's experts as the
+  whole scanned stack and the layer's index in it (`select_dispatch`).
 
   The routed experts run through `select_dispatch(cfg, b*t)`: gathered for a few
   tokens (n*K < E), grouped `ragged_dot` otherwise (blocked on XLA:CPU), and the
@@ -98,7 +106,7 @@ class MoE(nn.Module):
   cfg: "ModelConfig"  # noqa: F821
 
   @nn.compact
-  def __call__(self, x_btd, replay_btk=None, cached: bool = False):
+  def __call__(self, x_btd, replay_btk=None, cached: bool = False, stack=None):
     cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
     d, i = cfg.hidden_size, cfg.moe_intermediate_size
     router = Router(cfg, name="router")
@@ -107,7 +115,7 @@ class MoE(nn.Module):
     x = x_btd.reshape(b * t, d)
     replay = None if replay_btk is None else replay_btk.reshape(b * t, -1)
     ids, weights = router(x, replay)
-    dispatch = select_dispatch(cfg, b * t, cached)
+    dispatch = select_dispatch(cfg, b * t, cached, stack)
     # Quantized experts (the engine's INT4 / FP8 weights) stay packed into the kernel, which
     # gathers the experts its tokens use before dequantizing them (nn/ffn.py).
     ws = [w.replace(dtype=jnp.dtype(dt).name) if quant.is_qarray(w) else w.astype(dt)
