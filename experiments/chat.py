@@ -4,7 +4,7 @@ r"""Chat with a model on stdin, with tool calls (calculator, python sandbox, sea
   printf '17*23?\n/reset\nhi\n' | python -m experiments.chat --checkpoint=... --temperature=0
 
 One user message per line (`/reset` forgets the conversation, `/quit` ends); prints the
-model's turns, its tool calls and their results (glm5_jax/rl/chat_session.py). The
+model's turns, its tool calls and their results (glm5_jax/rl/envs/chat_session.py). The
 conversation is in GLM's chat format, byte-level tokens (glm5_jax/data/chat.py). A line
 that is not UTF-8 is reported on stderr and skipped.
 
@@ -25,8 +25,8 @@ from absl import flags
 from glm5_jax.data import chat
 from glm5_jax.inference import Engine
 from glm5_jax.inference import SamplingParams
-from glm5_jax.rl import chat_session
-from glm5_jax.rl import tools
+from glm5_jax.rl.envs import chat_session
+from glm5_jax.rl.envs import tools
 from glm5_jax.train import checkpoint as train_checkpoint
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "pretraining / RL workdir or Hugging "

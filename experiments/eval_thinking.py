@@ -26,9 +26,9 @@ from glm5_jax.data import chat
 from glm5_jax.data import tokenizers
 from glm5_jax.inference import Engine
 from glm5_jax.inference import SamplingParams
-from glm5_jax.rl import rewards
-from glm5_jax.rl import rollout
-from glm5_jax.rl import tasks
+from glm5_jax.rl.envs import rewards
+from glm5_jax.rl.envs import rollout
+from glm5_jax.rl.envs import tasks
 from glm5_jax.train import checkpoint as ckpt_lib
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "workdir or HF directory", required=True)

@@ -36,7 +36,7 @@ from glm5_jax import safetensors_io as sio
 from glm5_jax.inference import Engine
 from glm5_jax.inference import SamplingParams
 from glm5_jax.optim.param_groups import path_str
-from glm5_jax.rl import trajectory as traj_lib
+from glm5_jax.rl.algorithm import trajectory as traj_lib
 from glm5_jax.train import checkpoint as ckpt_lib
 from glm5_jax.train import step as step_lib
 from tests import fake_devices

@@ -88,6 +88,11 @@ FORBIDDEN = [
     ("glm5_jax.losses", "pallas_kernels"),          # kernels are reached through nn/dsa.py
     ("glm5_jax.nn.moe_ep", "glm5_jax.nn.moe"),      # both use nn/ffn.py's expert kernels
     ("glm5_jax.train", "glm5_jax.rl"),              # RL builds on training, not the reverse
+    # RL in three levels (glm5_jax/rl/__init__.py): orchestration -> envs -> algorithm.
+    ("glm5_jax.rl.algorithm", "glm5_jax.rl.envs"),
+    ("glm5_jax.rl.algorithm", "glm5_jax.rl.orchestration"),
+    ("glm5_jax.rl.envs", "glm5_jax.rl.orchestration"),
+    ("glm5_jax", "glm5_jax.rl.sandbox"),            # the old path, kept for users only
     ("glm5_jax", "experiments"),                    # entry points call the library
     ("glm5_jax", "configs"),
     ("glm5_jax", "tests"),
@@ -114,3 +119,13 @@ def test_the_kernels_are_reached_only_through_dsa(graph):
   users = sorted(m for m, deps in graph.items() if m.startswith("glm5_jax")
                  and any(d.startswith("pallas_kernels") for d in deps))
   assert users == ["glm5_jax.nn.dsa"]
+
+
+RL_LEVELS = ("algorithm", "envs", "orchestration")
+RL_REEXPORTS = ("sandbox",)        # former paths of moved modules
+
+
+def test_every_rl_module_sits_in_a_level(graph):
+  loose = sorted(m for m in graph if m.startswith("glm5_jax.rl.")
+                 and m.split(".")[2] not in RL_LEVELS + RL_REEXPORTS)
+  assert loose == []

@@ -102,7 +102,7 @@ def data_dir(tmp_path_factory):
 @pytest.mark.slow
 def test_sigterm_in_grpo_checkpoints_exits_zero_and_resumes_exactly(tmp_path, monkeypatch):
   from tests import test_rl_grpo as trl  # pylint: disable=g-import-not-at-top
-  from glm5_jax.rl import grpo  # pylint: disable=g-import-not-at-top
+  from glm5_jax.rl.orchestration import grpo  # pylint: disable=g-import-not-at-top
   cfg = trl.config_lib.get_preset("tiny")
   init_from = trl.ckpt_lib.save_params(str(tmp_path / "init"), cfg,
                                        trl.gnn.init_params(cfg, 0))

@@ -14,15 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from glm5_jax.rl import async_loop
-from glm5_jax.rl import groups
-from glm5_jax.rl import heartbeat
-from glm5_jax.rl import ledger as ledger_lib
 from glm5_jax import policy_losses as rl_losses
-from glm5_jax.rl import routing
-from glm5_jax.rl import staleness
-from glm5_jax.rl.trajectory import STATUSES
-from glm5_jax.rl.trajectory import Trajectory
+from glm5_jax.rl.algorithm import groups
+from glm5_jax.rl.algorithm.trajectory import STATUSES
+from glm5_jax.rl.algorithm.trajectory import Trajectory
+from glm5_jax.rl.orchestration import async_loop
+from glm5_jax.rl.orchestration import heartbeat
+from glm5_jax.rl.orchestration import ledger as ledger_lib
+from glm5_jax.rl.orchestration import routing
+from glm5_jax.rl.orchestration import staleness
 
 
 def _rollout(rng, rid, status, reward, versions=(0,)):
@@ -212,7 +212,7 @@ def test_router_remove_moves_only_the_dead_replicas_ids_and_add_moves_none(rng):
 
 
 def test_router_is_deterministic_across_processes():
-  code = ("from glm5_jax.rl import routing; r = routing.Router(5, seed=3); "
+  code = ("from glm5_jax.rl.orchestration import routing; r = routing.Router(5, seed=3); "
           "print([r.route(f'g{k:06d}/{j}') for k in range(30) for j in range(4)])")
   outs = []
   for hashseed in ("1", "2"):

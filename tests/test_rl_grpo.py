@@ -9,8 +9,8 @@ import pytest
 from configs import rl as rl_config
 from glm5_jax import config as config_lib
 from glm5_jax import nn as gnn
-from glm5_jax.rl import grpo
-from glm5_jax.rl import rewards as rewards_lib
+from glm5_jax.rl.envs import rewards as rewards_lib
+from glm5_jax.rl.orchestration import grpo
 from glm5_jax.train import checkpoint as ckpt_lib
 
 

@@ -138,7 +138,7 @@ def test_rl_losses_update_sharded_equals_one_device():
 
 _GRPO = textwrap.dedent(_SETUP + """
 import json
-from glm5_jax.rl import grpo
+from glm5_jax.rl.orchestration import grpo
 init = ckpt_lib.save_params(tempfile.mkdtemp(), cfg, params)
 
 def run(mesh_axes, n_dev):
@@ -187,7 +187,7 @@ def test_grpo_with_context_parallel_responses():
 
 
 _ASYNC = textwrap.dedent(_SETUP + """
-from glm5_jax.rl import async_loop, ledger as ledger_lib
+from glm5_jax.rl.orchestration import async_loop, ledger as ledger_lib
 from glm5_jax.train import metrics as metrics_lib
 init = ckpt_lib.save_params(tempfile.mkdtemp(), cfg, params)
 c = rl_async_config.get_config("task=tool_calc,runlocal=True")
@@ -225,7 +225,7 @@ def test_async_trainer_on_4_devices_with_two_2_device_replicas():
 
 _PUSH = textwrap.dedent(_SETUP.replace("== 8", "== 4") + """
 from glm5_jax.inference import Engine, engine as engine_lib
-from glm5_jax.rl import weights as weights_lib
+from glm5_jax.rl.orchestration import weights as weights_lib
 trainer = shd.make_mesh({"fsdp": 2}, jax.devices()[:2])
 replica = shd.make_mesh({"tensor": 2}, jax.devices()[2:])
 _, specs = gnn.abstract_params(cfg)

@@ -22,7 +22,7 @@ import zlib
 import numpy as np
 import pytest
 
-from glm5_jax.rl import sandbox
+from glm5_jax.rl.envs import sandbox
 
 _ROOT = os.geteuid() == 0
 _PRINT_UID = "import os, sys\nprint(os.getuid(), flush=True)\n"   # so the test can look for it

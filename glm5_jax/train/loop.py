@@ -23,10 +23,11 @@ is here, once:
     a run stopped in between evaluating first when resumed; `profile_steps` writes a
     jax.profiler trace to WORKDIR/profile.
 
-A batch source (`Source` below; train/lm_data.py, rl/grpo.py, rl/async_loop.py) gives the
-model config, checks itself against the mesh, produces each step's batches (one, or several
-minibatches each taking one optimizer update, GRPO's), acts after each step (publishing
-weights, resetting the optimizer state), evaluates, and names what it saves with the state.
+A batch source (`Source` below; train/lm_data.py, rl/orchestration/grpo.py,
+rl/orchestration/async_loop.py) gives the model config, checks itself against the mesh, produces
+each step's batches (one, or several minibatches each taking one optimizer update, GRPO's), acts
+after each step (publishing weights, resetting the optimizer state), evaluates, and names what it
+saves with the state.
 """
 
 from __future__ import annotations
@@ -263,8 +264,8 @@ def run(c, workdir: str, source: Source | None = None) -> dict:
   validate_config(c)
   if source is None and step_lib.get_stage(c.stage).loss != "lm":
     raise ValueError(f"config.stage={c.stage!r} trains on rollouts, not a corpus: run it with "
-                     "`python -m experiments.rl` (glm5_jax.rl.grpo) or "
-                     "`python -m experiments.rl_async` (glm5_jax.rl.async_loop)")
+                     "`python -m experiments.rl` (glm5_jax.rl.orchestration.grpo) or "
+                     "`python -m experiments.rl_async` (glm5_jax.rl.orchestration.async_loop)")
   maybe_initialize_distributed(c)
   held = claim(c, workdir, source is not None and source.solo)   # before anything is written
   # After jax.distributed, whose preemption service installs its own SIGTERM handler; before

@@ -28,8 +28,8 @@ from typing import Callable
 
 import numpy as np
 
-from glm5_jax.rl import tasks
-from glm5_jax.rl.tasks import Problem
+from glm5_jax.rl.envs import tasks
+from glm5_jax.rl.envs.tasks import Problem
 
 RewardFn = Callable[..., float]   # fn(problem, response, *, truncated) -> float in [0, 1]
 
@@ -81,3 +81,13 @@ def safe_call(fn: RewardFn, problem: Problem, response: str, *,
   if not isinstance(r, numbers.Real) or not 0.0 <= r <= 1.0:   # NaN fails the range too
     return 0.0, f"reward {r!r}: expected a number in [0, 1]"
   return float(r), None
+
+
+def task_and_reward(r):
+  """The task and reward function of the config's `rl` section (errors name the fields)."""
+  task = tasks.from_config(r)
+  try:
+    reward_fn = get(r.reward or r.task)
+  except ValueError as e:
+    raise ValueError(f"config.rl.reward={r.reward or r.task!r}: {e}") from None
+  return task, reward_fn

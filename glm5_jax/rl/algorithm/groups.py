@@ -28,7 +28,7 @@ from typing import Sequence
 
 import numpy as np
 
-from glm5_jax.rl.trajectory import Trajectory
+from glm5_jax.rl.algorithm.trajectory import Trajectory
 
 TRAINED = ("ok", "truncated")     # statuses the trainer learns from; the rest are filtered
 

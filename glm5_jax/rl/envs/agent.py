@@ -19,16 +19,16 @@ episode) and runs their tool calls where it likes (a thread pool):
 `Driver` is that loop over many episodes on one engine (rollout workers, evaluation, tests),
 with the tool calls in a thread pool.
 
-Token accounting of a segment (one engine session; `glm5_jax/rl/trajectory.py`): its row is
-every id submitted (loss 0) and every id the engine generated (loss 1, with the engine's
+Token accounting of a segment (one engine session; `glm5_jax/rl/algorithm/trajectory.py`): its row
+is every id submitted (loss 0) and every id the engine generated (loss 1, with the engine's
 raw log-prob, weight version and DSA top-k), in order; the observation ids come from
 `chat.render_observation`, so the row equals `chat.render` of the conversation. A context
-rewrite (`glm5_jax/rl/context.py`) starts a new segment whose first ids are the rewritten
+rewrite (`glm5_jax/rl/envs/context.py`) starts a new segment whose first ids are the rewritten
 conversation, re-rendered (loss 0), in a new session.
 
 How an episode ends (status, reward; every segment carries both):
   final answer (a turn without tool calls)  "ok", the task's reward of its text (guarded as
-                                            `glm5_jax.rl.rewards`); a reward function that
+                                            `glm5_jax.rl.envs.rewards`); a reward function that
                                             raises: "env_error"
   a turn with a format error (a tool call   "ok", reward 0, `error` says what: the policy's
   that does not parse, stray markers)       mistake is a learning signal, not filtered
@@ -38,7 +38,7 @@ How an episode ends (status, reward; every segment carries both):
   not fit max_len after context management)
   tool calls on turn max_turns              "truncated", reward 0
   a tool result with status env_error /     that status, reward 0 (filtered and refilled by
-  timeout (the environment failed)          `glm5_jax/rl/groups.py`)
+  timeout (the environment failed)          `glm5_jax/rl/algorithm/groups.py`)
   `abort(reason)` (the orchestrator)        "aborted", reward 0
 """
 
@@ -52,11 +52,11 @@ from typing import Sequence
 
 from glm5_jax.data import chat
 from glm5_jax.inference import SamplingParams
-from glm5_jax.rl import context as context_lib
-from glm5_jax.rl import rewards as rewards_lib
-from glm5_jax.rl import tools as tools_lib
-from glm5_jax.rl.tasks import problem as problem_lib
-from glm5_jax.rl.trajectory import Trajectory
+from glm5_jax.rl.algorithm.trajectory import Trajectory
+from glm5_jax.rl.envs import context as context_lib
+from glm5_jax.rl.envs import rewards as rewards_lib
+from glm5_jax.rl.envs import tools as tools_lib
+from glm5_jax.rl.envs.tasks import problem as problem_lib
 
 
 class _Segment:

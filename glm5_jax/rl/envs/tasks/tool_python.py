@@ -20,7 +20,7 @@ import io
 
 import numpy as np
 
-from glm5_jax.rl.tasks import problem as problem_lib
+from glm5_jax.rl.envs.tasks import problem as problem_lib
 
 NAME = "tool_python"
 TOOLS = ("python",)

@@ -11,7 +11,7 @@ score a response or to run a tool. A single-turn response is one segment
 
 Ids: rollout id `f"{group_id}/{j}"` (sample j of a group), trajectory id
 `f"{rollout_id}#{segment_id}"`; a refill copy has its own rollout id and `copy_of` = the
-rollout id it copies (`glm5_jax/rl/groups.py`). Every segment carries its rollout's status
+rollout id it copies (`glm5_jax/rl/algorithm/groups.py`). Every segment carries its rollout's status
 (one of STATUSES) and reward.
 
 `make_batch` right-pads trajectories into one `TrajectoryBatch` of `[b, t]` arrays, every

@@ -15,8 +15,8 @@ import dataclasses
 
 import numpy as np
 
-from glm5_jax.rl.tasks import arith
-from glm5_jax.rl.tasks import problem as problem_lib
+from glm5_jax.rl.envs.tasks import arith
+from glm5_jax.rl.envs.tasks import problem as problem_lib
 
 NAME = "tool_calc"
 TOOLS = ("calculator",)

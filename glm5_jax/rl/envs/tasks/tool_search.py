@@ -17,8 +17,8 @@ import functools
 
 import numpy as np
 
-from glm5_jax.rl import tools
-from glm5_jax.rl.tasks import problem as problem_lib
+from glm5_jax.rl.envs import tools
+from glm5_jax.rl.envs.tasks import problem as problem_lib
 
 NAME = "tool_search"
 TOOLS = ("search",)

@@ -42,9 +42,9 @@ import traceback
 from absl import logging
 import jax
 
-from glm5_jax.rl import snapshots as snapshots_lib
-from glm5_jax.rl import weights as weights_lib
-from glm5_jax.rl.local_backend import worker_ids
+from glm5_jax.rl.orchestration import snapshots as snapshots_lib
+from glm5_jax.rl.orchestration import weights as weights_lib
+from glm5_jax.rl.orchestration.local_backend import worker_ids
 
 NAMESPACE = "glm5_rl"
 _POLL_S = 0.002

@@ -20,7 +20,7 @@ import re
 
 import numpy as np
 
-from glm5_jax.rl.tasks import problem as problem_lib
+from glm5_jax.rl.envs.tasks import problem as problem_lib
 
 NAME = "arith"
 MAX_RESPONSE_BYTES = 32       # the longest answer (9-digit product, 18 digits) fits

@@ -17,7 +17,7 @@ import string
 
 import numpy as np
 
-from glm5_jax.rl.tasks import problem as problem_lib
+from glm5_jax.rl.envs.tasks import problem as problem_lib
 
 NAME = "strings"
 MAX_RESPONSE_BYTES = 48       # the longest answer (MAX_LEN letters) fits

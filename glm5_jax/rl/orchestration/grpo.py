@@ -45,7 +45,6 @@ its last checkpoint are replaced). SIGTERM checkpoints and stops (train/preempti
 
 from __future__ import annotations
 
-import functools
 import time
 
 from absl import logging
@@ -54,7 +53,6 @@ import jax.numpy as jnp
 from jax.experimental import multihost_utils
 import numpy as np
 
-from glm5_jax import numerics
 from glm5_jax import policy
 from glm5_jax import policy_losses as rl_losses
 from glm5_jax import sharding as shd
@@ -62,94 +60,19 @@ from glm5_jax.data import chat
 from glm5_jax.inference import Engine
 from glm5_jax.inference import SamplingParams
 from glm5_jax.inference import precision
-from glm5_jax.rl import rewards as rewards_lib
-from glm5_jax.rl import rollout as rollout_lib
-from glm5_jax.rl import tasks as tasks_lib
-from glm5_jax.rl import trajectory as traj_lib
+from glm5_jax.rl.algorithm import trajectory as traj_lib
+from glm5_jax.rl.algorithm.batches import device_batch
+from glm5_jax.rl.algorithm.batches import has_moe
+from glm5_jax.rl.algorithm.batches import padded_length
+from glm5_jax.rl.algorithm.batches import take_rows
+from glm5_jax.rl.algorithm.consistency import consistency_metrics
+from glm5_jax.rl.algorithm.consistency import warn_without_batch_invariance
+from glm5_jax.rl.algorithm.seeds import seed_of
+from glm5_jax.rl.envs import rewards as rewards_lib
+from glm5_jax.rl.envs import rollout as rollout_lib
+from glm5_jax.rl.envs import tasks as tasks_lib
 from glm5_jax.train import checkpoint as ckpt_lib
 from glm5_jax.train import loop
-
-
-def seed_of(*parts) -> int:
-  """A 31-bit seed derived from integer parts (seed, step, purpose, ...)."""
-  return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0] % 2**31)
-
-
-def task_and_reward(r):
-  """The task and reward function of the config's `rl` section (errors name the fields)."""
-  task = tasks_lib.from_config(r)
-  try:
-    reward_fn = rewards_lib.get(r.reward or r.task)
-  except ValueError as e:
-    raise ValueError(f"config.rl.reward={r.reward or r.task!r}: {e}") from None
-  return task, reward_fn
-
-
-def mismatch_metrics(bad_topk, topk_positions, bad_routing, routing_pairs) -> dict:
-  """DSA top-k and MoE routing mismatch counts and rates (0 when nothing was compared)."""
-  return {"topk_mismatches": float(bad_topk), "topk_positions": float(topk_positions),
-          "topk_mismatch_rate": bad_topk / topk_positions if topk_positions else 0.0,
-          "routing_mismatches": float(bad_routing), "routing_pairs": float(routing_pairs),
-          "routing_mismatch_rate": bad_routing / routing_pairs if routing_pairs else 0.0}
-
-
-def consistency_metrics(batch, old_logp_bt, topk, trajs, routing=None) -> dict:
-  """Train/rollout agreement on the response tokens of `batch`: log-prob |diff| (max, mean),
-  the k3 mismatch KL (rollout || train), the positions where some layer's top-k differs and
-  the MoE (token, layer) pairs whose experts differ (`policy.routing_mismatches`).
-  old_logp_bt: the trainer's log-probs [b, t]; topk: its per-layer top-k [L] of [b, t, K];
-  routing: the experts its forward used [b, t, L_moe, K] (replayed ones under R3)."""
-  mask = batch.loss_mask > 0
-  x = (batch.rollout_logp - shd.to_host(old_logp_bt).astype(np.float64))[mask]
-  bad, total = policy.topk_mismatches(trajs, topk) if topk is not None else (0, 0)
-  return {"logp_abs_diff_max": float(np.abs(x).max(initial=0.0)),
-          "logp_abs_diff_mean": float(np.abs(x).mean()) if x.size else 0.0,
-          "mismatch_kl_k3": float(np.mean(np.exp(-x) - 1 + x)) if x.size else 0.0,
-          **mismatch_metrics(bad, total, *policy.routing_mismatches(trajs, routing)),
-          "routing_bytes_per_token": traj_lib.routing_bytes_per_token(trajs)}
-
-
-FIELDS = ("tokens", "positions", "segment_ids", "loss_mask", "rollout_logp", "advantages")
-
-
-def device_batch(b: traj_lib.TrajectoryBatch, sharding=None, replay: bool = False) -> dict:
-  """The fields of `b` a trainer step reads, as device arrays (global arrays in `sharding`,
-  every process holding the whole batch; None: the default device). `replay`: also the
-  engine's routing records (`routing`, rollout routing replay)."""
-  fields = FIELDS + (("routing",) if replay and b.routing is not None else ())
-  if sharding is None:
-    return {k: jnp.asarray(getattr(b, k)) for k in fields}
-  return {k: shd.from_host(getattr(b, k), sharding) for k in fields}
-
-
-def has_moe(cfg) -> bool:
-  return any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-
-
-@functools.partial(jax.jit, static_argnums=2)
-def _take_rows(tree, idx, sharding):
-  return jax.tree.map(lambda v: jax.lax.with_sharding_constraint(v[idx], sharding), tree)
-
-
-def take_rows(tree, idx, sharding=None):
-  """Rows `idx` (host ints, the same on every process) of every array of `tree`, on the
-  devices: a global gather into `sharding` under a mesh (rows on other processes' devices
-  included), a plain gather on the default device without one."""
-  if sharding is None:
-    return {k: v[jnp.asarray(idx)] for k, v in tree.items()}
-  return _take_rows(tree, np.asarray(idx, np.int32), sharding)
-
-
-def padded_length(n: int, context: int) -> int:
-  """A batch length for `n` tokens: the power-of-two bucket, a multiple of 2 * context."""
-  t = traj_lib.bucket_length(n)
-  return t if context == 1 else -(-t // (2 * context)) * (2 * context)
-
-
-def warn_without_batch_invariance() -> None:
-  if jax.default_backend() == "cpu" and not numerics.is_set():
-    logging.warning("XLA:CPU without batch-invariant dots: the engine's and the trainer's "
-                    "log-probs will differ in the last bits (glm5_jax/numerics.py)")
 
 
 class GRPO:
@@ -171,7 +94,7 @@ class GRPO:
   def __init__(self, c):
     self.c, r = c, c.rl
     self.checkpoint_every, self.eval_every = r.checkpoint_every, r.eval_every
-    self.task, self.reward_fn = task_and_reward(r)
+    self.task, self.reward_fn = rewards_lib.task_and_reward(r)
     self.tok = chat.get_chat_tokenizer(c.data.tokenizer)
     self.engine = self.teacher = self.eval_engine = None
 

@@ -9,12 +9,12 @@
 Tasks (one module each): `arith` (integer +, -, *), `strings` (reverse / sort / dedupe a
 lowercase string), `python_functions` (write a small f(...) judged by hidden tests run in
 the sandbox). Each module holds its `Config` (the difficulty knobs), `sample(rng, config)`,
-`check(problem, response)` (the verifier) and `MAX_RESPONSE_BYTES`; `glm5_jax.rl.rewards`
+`check(problem, response)` (the verifier) and `MAX_RESPONSE_BYTES`; `glm5_jax.rl.envs.rewards`
 puts the length and truncation guards around `check`. Prompts and answers are tens of
 bytes, sized for a byte-level model (GLM-5, arXiv 2602.15763, section 3: reasoning RL on
 verifiable rewards, here at toy scale).
 
-Tool tasks (`tool_names()`, multi-turn, run as `glm5_jax.rl.agent.Episode`s): `tool_calc`
+Tool tasks (`tool_names()`, multi-turn, run as `glm5_jax.rl.envs.agent.Episode`s): `tool_calc`
 (arithmetic through a calculator), `tool_search` (name the stdlib module a few docstring
 words describe, through BM25 search), `tool_python` (what a one-line program prints, through
 the sandbox). Their modules add `TOOLS` (what an episode may call)
@@ -31,24 +31,25 @@ from typing import Any, Callable
 
 import numpy as np
 
-from glm5_jax.rl.tasks import arith
-from glm5_jax.rl.tasks import problem as problem_lib
-from glm5_jax.rl.tasks import python_functions
-from glm5_jax.rl.tasks import strings
-from glm5_jax.rl.tasks import tool_calc
-from glm5_jax.rl.tasks import tool_common
-from glm5_jax.rl.tasks import tool_python
-from glm5_jax.rl.tasks import tool_search
-from glm5_jax.rl.tasks.problem import HELDOUT_FRACTION
-from glm5_jax.rl.tasks.problem import Problem
-from glm5_jax.rl.tasks.problem import SPLITS
-from glm5_jax.rl.tasks.problem import prompt_messages
-from glm5_jax.rl.tasks.problem import sft_record
-from glm5_jax.rl.tasks.problem import split_of
+from glm5_jax.rl.envs.tasks import arith
+from glm5_jax.rl.envs.tasks import problem as problem_lib
+from glm5_jax.rl.envs.tasks import python_functions
+from glm5_jax.rl.envs.tasks import strings
+from glm5_jax.rl.envs.tasks import tool_calc
+from glm5_jax.rl.envs.tasks import tool_common
+from glm5_jax.rl.envs.tasks import tool_python
+from glm5_jax.rl.envs.tasks import tool_search
+from glm5_jax.rl.envs.tasks.problem import HELDOUT_FRACTION
+from glm5_jax.rl.envs.tasks.problem import Problem
+from glm5_jax.rl.envs.tasks.problem import SPLITS
+from glm5_jax.rl.envs.tasks.problem import prompt_messages
+from glm5_jax.rl.envs.tasks.problem import sft_record
+from glm5_jax.rl.envs.tasks.problem import split_of
 
 _MIX_STREAM = 7   # the random stream of `write_sft`'s demonstrator choices, apart from the draws
 _MODULES = {m.NAME: m for m in (arith, strings, python_functions)}
-# Multi-turn tasks solved with tools (glm5_jax/rl/tools.py; episodes: glm5_jax/rl/agent.py).
+# Multi-turn tasks solved with tools (glm5_jax/rl/envs/tools.py; episodes:
+# glm5_jax/rl/envs/agent.py).
 _TOOL_MODULES = {m.NAME: m for m in (tool_calc, tool_search, tool_python)}
 
 __all__ = ["HELDOUT_FRACTION", "Problem", "SPLITS", "Task", "get", "names", "prompt_messages",
@@ -128,12 +129,12 @@ def _check_fraction(name: str, value, applies: bool, why_not: str):
 
 
 def names() -> tuple[str, ...]:
-  """The single-turn tasks (`glm5_jax.rl.rewards` and the synchronous GRPO take these)."""
+  """The single-turn tasks (`glm5_jax.rl.envs.rewards` and the synchronous GRPO take these)."""
   return tuple(_MODULES)
 
 
 def tool_names() -> tuple[str, ...]:
-  """The multi-turn tool tasks (run as `glm5_jax.rl.agent.Episode`s)."""
+  """The multi-turn tool tasks (run as `glm5_jax.rl.envs.agent.Episode`s)."""
   return tuple(_TOOL_MODULES)
 
 

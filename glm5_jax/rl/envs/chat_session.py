@@ -2,7 +2,7 @@
 
 Each user line starts a new engine session holding the conversation so far, re-rendered
 (`chat.render_prompt`); within the reply the model may call tools: each call runs
-(`glm5_jax.rl.tools.call`, only the `tools` given), the results are appended to the session
+(`glm5_jax.rl.envs.tools.call`, only the `tools` given), the results are appended to the session
 as an observation (`chat.render_observation`) and the model continues, up to `max_turns`
 model turns per user line. Commands: `/reset` forgets the conversation, `/quit` ends.
 
@@ -38,7 +38,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from glm5_jax.data import chat
-from glm5_jax.rl import tools as tools_lib
+from glm5_jax.rl.envs import tools as tools_lib
 
 
 def turn_seed(seed: int, turn: int) -> int:

@@ -2,7 +2,7 @@
 
   {"id", "messages": [system?, user,
                       assistant (no text, thinking off, the solution's tool calls),
-                      observation (each call's real tool output, `glm5_jax.rl.tools.call`),
+                      observation (each call's real tool output, `glm5_jax.rl.envs.tools.call`),
                       assistant (the reference answer)]}
 
 The observation is computed by running the tools, so SFT shows the model exactly what the
@@ -13,8 +13,8 @@ assistant turns (call syntax, stop tokens, the answer), not the observation.
 
 from __future__ import annotations
 
-from glm5_jax.rl import tools
-from glm5_jax.rl.tasks import problem as problem_lib
+from glm5_jax.rl.envs import tools
+from glm5_jax.rl.envs.tasks import problem as problem_lib
 
 
 def sft_record(problem, calls: list[dict], *, allowed, system: str | None = None,

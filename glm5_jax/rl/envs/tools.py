@@ -17,7 +17,7 @@ recorded and filtered, not scored):
 Tools (`TOOLS`, name -> (function, argument names)):
   calculator(expression)  + - * / // % ** and parentheses on int / float literals, evaluated
                           over the `ast` (no eval); results capped at `MAX_DIGITS` digits.
-  python(code)            runs `code` in `glm5_jax.rl.sandbox.run_python`; the text is its
+  python(code)            runs `code` in `glm5_jax.rl.envs.sandbox.run_python`; the text is its
                           stdout (and the tail of stderr when it fails), capped.
   search(query)           BM25 (Robertson and Zaragoza 2009; k1 = 1.5, b = 0.75) over the
                           first paragraphs of the docstrings of the running interpreter's
@@ -40,7 +40,7 @@ import sysconfig
 import tokenize
 from typing import Any, Callable
 
-from glm5_jax.rl import sandbox
+from glm5_jax.rl.envs import sandbox
 
 STATUSES = ("ok", "env_error", "timeout")
 MAX_DIGITS = 60              # calculator: longest integer result (and exponent bound)

@@ -16,7 +16,8 @@ where the replicas run:
                      copy, and a swap holds at most one leaf beyond the parameters.
   InProcessWeights   threads of one process: host (numpy) copies of the last `keep` versions,
                      each with its checksum (the host round trip `bench_rl` compares with).
-  ShardedWeights(dir)  (rl/snapshots.py) processes and hosts (the Ray backend's default,
+  ShardedWeights(dir)  (rl/orchestration/snapshots.py) processes and hosts (the Ray backend's
+  default,
                      `jax.distributed` pods): each writer process writes only the shards its
                      devices own, each reader reads only the slices its devices need, into
                      the `template`'s shardings; checksummed per shard, committed atomically
@@ -26,11 +27,11 @@ where the replicas run:
                      renamed into place, so a reader sees a whole snapshot or none; older
                      snapshots pruned.
 
-(The colocated placement of synchronous GRPO needs no store: its engine serves the trainer's
-own arrays on the trainer's mesh, rl/grpo.py.) The host stores verify `checksum(params)` on
-`latest()`, so a worker never serves weights that differ from what the trainer published;
-their `params` must be fully addressable (for a multi-host mesh use ShardedWeights). Every store's `last_push` holds the
-bytes and seconds of its latest publish ({"push_bytes", "push_s"}).
+(The colocated placement of synchronous GRPO needs no store: its engine serves the trainer's own
+arrays on the trainer's mesh, rl/orchestration/grpo.py.) The host stores verify `checksum(params)`
+on `latest()`, so a worker never serves weights that differ from what the trainer published; their
+`params` must be fully addressable (for a multi-host mesh use ShardedWeights). Every store's
+`last_push` holds the bytes and seconds of its latest publish ({"push_bytes", "push_s"}).
 
 A snapshot file `v{version:010d}.weights` is: the 8 bytes `GLM5WTS1`, the manifest's length
 (8 bytes, little-endian), the manifest (JSON: version, checksum, and per leaf its key path,

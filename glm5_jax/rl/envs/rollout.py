@@ -24,8 +24,8 @@ import numpy as np
 
 from glm5_jax.data import chat
 from glm5_jax.inference import SamplingParams
-from glm5_jax.rl import rewards as rewards_lib
-from glm5_jax.rl.trajectory import Trajectory
+from glm5_jax.rl.algorithm.trajectory import Trajectory
+from glm5_jax.rl.envs import rewards as rewards_lib
 
 
 def prompt_ids(task, problem, tokenizer, *, enable_thinking: bool) -> list[int]:

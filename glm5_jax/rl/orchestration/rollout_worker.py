@@ -39,11 +39,11 @@ from glm5_jax.data import chat
 from glm5_jax.inference import Engine
 from glm5_jax.inference import precision
 from glm5_jax.inference.engine import serving_template
-from glm5_jax.rl import agent as agent_lib
-from glm5_jax.rl import context as context_lib
-from glm5_jax.rl.grpo import seed_of
-from glm5_jax.rl import tasks as tasks_lib
-from glm5_jax.rl import tools as tools_lib
+from glm5_jax.rl.algorithm.seeds import seed_of
+from glm5_jax.rl.envs import agent as agent_lib
+from glm5_jax.rl.envs import context as context_lib
+from glm5_jax.rl.envs import tasks as tasks_lib
+from glm5_jax.rl.envs import tools as tools_lib
 
 
 class ToolRunner:

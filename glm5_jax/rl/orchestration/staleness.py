@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from glm5_jax.rl.trajectory import Trajectory
+from glm5_jax.rl.algorithm.trajectory import Trajectory
 
 
 def _trajectories(group) -> list[Trajectory]:

@@ -9,7 +9,7 @@ GLM-5 (arXiv 2602.15763, section 3, context management for search agents):
 A policy works on the conversation's message list (`glm5_jax/data/chat.py` records) and
 says whether to rewrite it: `apply(messages, n_tokens) -> new messages or None`. A rewrite
 breaks the token prefix the engine has cached and the policy sampled from, so the episode
-starts a new segment (`glm5_jax/rl/agent.py`): its prompt is the re-rendered conversation
+starts a new segment (`glm5_jax/rl/envs/agent.py`): its prompt is the re-rendered conversation
 (no loss), the turns sampled after it carry the loss, and it runs in a new engine session.
 
   kind          rewrites when                                   to

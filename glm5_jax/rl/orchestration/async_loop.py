@@ -26,16 +26,16 @@ Workers heartbeat; a silent one is fenced (its late results refused), restarted 
 epoch, brought to the current version, and its in-flight groups re-queued. Every prompt and
 trajectory id goes through the ledger (`WORKDIR/rollouts.jsonl`, `ledger.audit`).
 
-Placement (glm5_jax/rl/weights.py). The trainer trains on the first `config.num_devices`
-devices under `config.mesh` (sharded like pretraining). Backend "local": each rollout replica
-is a thread of this process on its own `rl.rollout_devices` devices after the trainer's (round
-robin when there are too few), serving under `rl.rollout_mesh` in the model's shardings; a
-push hands the replicas the published version on the trainer's devices (`DeviceWeights`) and
-each replica reshards it into its own buffers device to device, leaf by leaf. Backend "ray":
-replicas are Ray actors (their own processes and JAX runtimes) reading versioned,
-checksummed snapshots from WORKDIR/weights. Backend "distributed": the same snapshots, with
-the workers in processes 1.. of this run's jax.distributed cluster and the trainer alone in
-process 0 (rl/distributed_backend.py). A resumed run first removes the versions a killed run
+Placement (glm5_jax/rl/orchestration/weights.py). The trainer trains on the first
+`config.num_devices` devices under `config.mesh` (sharded like pretraining). Backend "local": each
+rollout replica is a thread of this process on its own `rl.rollout_devices` devices after the
+trainer's (round robin when there are too few), serving under `rl.rollout_mesh` in the model's
+shardings; a push hands the replicas the published version on the trainer's devices
+(`DeviceWeights`) and each replica reshards it into its own buffers device to device, leaf by leaf.
+Backend "ray": replicas are Ray actors (their own processes and JAX runtimes) reading versioned,
+checksummed snapshots from WORKDIR/weights. Backend "distributed": the same snapshots, with the
+workers in processes 1.. of this run's jax.distributed cluster and the trainer alone in process 0
+(rl/orchestration/distributed_backend.py). A resumed run first removes the versions a killed run
 published at and after its checkpoint's version.
 
 Train/rollout consistency is measured per version: the trainer keeps the last
@@ -51,9 +51,9 @@ layers use the recorded experts (R3). Held-out evaluation runs at the trainer's 
 Checkpoints hold the TrainState and the control state (update and version counters, consumed
 groups, the prompt cursor, the prompts in flight, which a resumed run admits first, the
 ledger's length and the metrics' running totals) as item "control" of the same orbax step.
-A resumed run rolls back what a killed run ledgered after that checkpoint (rl/ledger.py),
-so no prompt counts twice. The run is asynchronous, so a resumed run is not bitwise the
-uninterrupted one.
+A resumed run rolls back what a killed run ledgered after that checkpoint
+(rl/orchestration/ledger.py), so no prompt counts twice. The run is asynchronous, so a resumed run
+is not bitwise the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -77,19 +77,21 @@ from glm5_jax import sharding as shd
 from glm5_jax import timing
 from glm5_jax.data import chat
 from glm5_jax.nn import layer_stack
-from glm5_jax.rl import agent as agent_lib
-from glm5_jax.rl import context as context_lib
-from glm5_jax.rl import grpo
-from glm5_jax.rl import groups as groups_lib
-from glm5_jax.rl import heartbeat
-from glm5_jax.rl import ledger as ledger_lib
-from glm5_jax.rl import rollout_worker as worker_lib
-from glm5_jax.rl import routing
-from glm5_jax.rl import snapshots as snapshots_lib
-from glm5_jax.rl import staleness
-from glm5_jax.rl import tasks as tasks_lib
-from glm5_jax.rl import trajectory as traj_lib
-from glm5_jax.rl import weights as weights_lib
+from glm5_jax.rl.algorithm import batches
+from glm5_jax.rl.algorithm import consistency as consistency_lib
+from glm5_jax.rl.algorithm import groups as groups_lib
+from glm5_jax.rl.algorithm import trajectory as traj_lib
+from glm5_jax.rl.algorithm.seeds import seed_of
+from glm5_jax.rl.envs import agent as agent_lib
+from glm5_jax.rl.envs import context as context_lib
+from glm5_jax.rl.envs import tasks as tasks_lib
+from glm5_jax.rl.orchestration import heartbeat
+from glm5_jax.rl.orchestration import ledger as ledger_lib
+from glm5_jax.rl.orchestration import rollout_worker as worker_lib
+from glm5_jax.rl.orchestration import routing
+from glm5_jax.rl.orchestration import snapshots as snapshots_lib
+from glm5_jax.rl.orchestration import staleness
+from glm5_jax.rl.orchestration import weights as weights_lib
 from glm5_jax.train import checkpoint as ckpt_lib
 from glm5_jax.train import loop
 
@@ -130,7 +132,7 @@ class Prompts:
     c = index // self.chunk
     if c not in self._cache:
       self._cache = {c: self.task.problems("train", self.chunk,
-                                           grpo.seed_of(self.seed, 7, c))}
+                                           seed_of(self.seed, 7, c))}
     return self._cache[c][index % self.chunk]
 
 
@@ -156,7 +158,7 @@ def batch_of(groups, normalize_std: bool, rows_multiple: int = 1, context: int =
         advs.append(a)
   n = -(-traj_lib.bucket_length(len(segs), minimum=1) // rows_multiple) * rows_multiple
   pad = n - len(segs)
-  length = grpo.padded_length(max(s.length for s in segs), context)
+  length = batches.padded_length(max(s.length for s in segs), context)
   batch = traj_lib.make_batch(segs + [segs[0]] * pad, advs + [0.0] * pad, length=length)
   if pad:
     batch.loss_mask[len(segs):] = 0.0
@@ -193,21 +195,21 @@ def consistency(logprobs, snapshots: dict, batch, segs, dev=None) -> dict:
   d = np.concatenate(diffs) if diffs else np.zeros(0)
   return {"logp_abs_diff_max": float(d.max(initial=0.0)),
           "logp_abs_diff_mean": float(d.mean()) if d.size else 0.0,
-          **grpo.mismatch_metrics(*(int(x) for x in counts)),
+          **consistency_lib.mismatch_metrics(*(int(x) for x in counts)),
           "routing_bytes_per_token": traj_lib.routing_bytes_per_token(segs),
           "logp_unmeasured_tokens": float(unmeasured)}
 
 
 class Control:
   """The trainer's counters and queues that a checkpoint holds (besides params, optimizer):
-  also the ledger's length at the save (what a resume keeps of it, rl/ledger.py) and the
-  metrics' running totals (`totals`: counts, staleness histogram, wall, idle and compile
+  also the ledger's length at the save (what a resume keeps of it, rl/orchestration/ledger.py) and
+  the metrics' running totals (`totals`: counts, staleness histogram, wall, idle and compile
   time), which a resumed run continues from."""
 
   def __init__(self, seed: int):
     self.update = self.version = self.consumed = self.admitted = self.cursor = 0
     self.requeue: collections.deque = collections.deque()   # pristine prompt indices
-    self.rng = np.random.default_rng(grpo.seed_of(seed, 11))
+    self.rng = np.random.default_rng(seed_of(seed, 11))
     self.ledger_lines: int | None = None      # None: a checkpoint from before the field
     self.totals: dict = {}
 
@@ -237,14 +239,14 @@ def make_backend(c, workdir):
   arrays (`DeviceWeights`), or Ray actors or the jax.distributed cluster's other processes
   reading snapshots (config.rl.snapshots)."""
   if c.rl.backend == "local":
-    from glm5_jax.rl import local_backend  # pylint: disable=g-import-not-at-top
+    from glm5_jax.rl.orchestration import local_backend  # pylint: disable=g-import-not-at-top
     store = weights_lib.DeviceWeights()
     return local_backend.LocalBackend(worker_lib.RolloutWorker, store), store
   store = SNAPSHOT_STORES[c.rl.snapshots](os.path.join(workdir, "weights"), keep=c.rl.tau + 2)
   if c.rl.backend == "distributed":
-    from glm5_jax.rl import distributed_backend  # pylint: disable=g-import-not-at-top
+    from glm5_jax.rl.orchestration import distributed_backend  # pylint: disable=g-import-not-at-top
     return distributed_backend.DistributedBackend(worker_lib.RolloutWorker, store), store
-  from glm5_jax.rl import ray_backend  # pylint: disable=g-import-not-at-top
+  from glm5_jax.rl.orchestration import ray_backend  # pylint: disable=g-import-not-at-top
   env = None
   if c.rl.rollout_devices > 1:            # the actor's own fake CPU devices
     env = {"XLA_FLAGS": ray_backend.worker_env()["XLA_FLAGS"] +
@@ -331,13 +333,13 @@ class AsyncTrainer:
                        f"on the trainer's mesh; expected a multiple of its batch axes "
                        f"({self.rows_multiple})")
     self.heldout = tasks_lib.heldout_problems(self.task, r, c.seed)
-    sample = self.heldout + self.task.problems("train", 64, grpo.seed_of(c.seed, 12))
+    sample = self.heldout + self.task.problems("train", 64, seed_of(c.seed, 12))
     tasks_lib.check_prompts_fit(
         [len(agent_lib.first_prompt(p, self.tok, enable_thinking=r.enable_thinking))
          for p in sample], r, "held-out problems and a sample of training ones")
     self.forward = policy.jitted_forward(cfg, chunk_size=r.logprob_chunk, mesh=mesh,
                                          param_sh=param_sh, batch_sh=self.batch_sh)
-    grpo.warn_without_batch_invariance()
+    consistency_lib.warn_without_batch_invariance()
 
   def save_items(self) -> dict:
     in_flight = [i for i, _ in self.in_flight.values()] + [g.prompt_index for g in self.ready]
@@ -355,7 +357,7 @@ class AsyncTrainer:
     self.wait_s = float(t.get("wait_s", 0.0))
 
   def start(self, state, resumed: bool) -> None:
-    """Opens the ledger as this run (rl/ledger.py: what a killed run wrote after the
+    """Opens the ledger as this run (rl/orchestration/ledger.py: what a killed run wrote after the
     checkpoint is rolled back, what it left open at the checkpoint ledgered dropped)."""
     self._compile0 = timing.compile_seconds()  # count compilations from here ("compile_s")
     self.ledger = self._open_ledger(resumed)
@@ -381,12 +383,12 @@ class AsyncTrainer:
     rows = self._rows(r.groups_per_update * r.group_size)
     out = []
     for t in r.warmup_lengths:
-      t = grpo.padded_length(t, self.context)
+      t = batches.padded_length(t, self.context)
       replay = ({0: np.full((layer_stack.num_moe_layers(self.cfg),
                              self.cfg.num_experts_per_tok), -1, np.int32)}
-                if r.routing_replay and grpo.has_moe(self.cfg) else None)
+                if r.routing_replay and batches.has_moe(self.cfg) else None)
       dummy = traj_lib.Trajectory([0] * t, [0.0] * t, [0.0] * t, [-1] * t, routing=replay)
-      dev = grpo.device_batch(traj_lib.make_batch([dummy] * rows, np.zeros(rows), length=t),
+      dev = batches.device_batch(traj_lib.make_batch([dummy] * rows, np.zeros(rows), length=t),
                               self.batch_sh, replay=r.routing_replay)
       jax.block_until_ready(self.forward(state.params, dev))
       out.append(dev)
@@ -412,7 +414,7 @@ class AsyncTrainer:
     self.wait_s += time.perf_counter() - t0
     t1 = time.perf_counter()
     batch, segs = batch_of(taken, self.r.normalize_std, self.rows_multiple, self.context)
-    dev = grpo.device_batch(batch, self.batch_sh, replay=self.r.routing_replay)
+    dev = batches.device_batch(batch, self.batch_sh, replay=self.r.routing_replay)
     m = consistency(self.forward, self.snapshots, batch, segs, dev)
     self._taken, self._batch, self._segs = taken, batch, segs
     m.update(consistency_s=time.perf_counter() - t1,
@@ -554,8 +556,8 @@ class AsyncTrainer:
     self.push_rss_growth = float(peak.growth)
 
   def _open_ledger(self, resumed: bool):
-    """The workdir's ledger, opened as this run (rl/ledger.py): it keeps what the ledger
-    held at the checkpoint it resumes from (all of it for a checkpoint from before the
+    """The workdir's ledger, opened as this run (rl/orchestration/ledger.py): it keeps what the
+    ledger held at the checkpoint it resumes from (all of it for a checkpoint from before the
     ledger's length was saved; none without a finished checkpoint), rolls the rest back,
     ledgers what is still open at the checkpoint as dropped ("shutdown"), and continues
     group ids after every id the file holds. Never truncated."""
@@ -606,7 +608,7 @@ class AsyncTrainer:
                         version=self.ctl.version)
       self.backend.inbox(wid).put({"group_id": gid, "prompt_index": index,
                              "problem": self.prompts[index], "group_size": self.r.group_size,
-                             "seed": grpo.seed_of(self.c.seed, 13, self.ctl.admitted)})
+                             "seed": seed_of(self.c.seed, 13, self.ctl.admitted)})
 
   def _drop_group(self, gid, index, reason, requeue: bool, rollouts=()):
     for rollout in rollouts:
@@ -735,7 +737,7 @@ def run(c, workdir: str, *, clock=time.monotonic) -> dict | None:
       raise ValueError("config.rl.backend='distributed' runs the trainer in process 0 and "
                        "worker i in process i + 1: set config.distributed.num_processes="
                        f"{c.rl.workers + 1} (and coordinator_address, process_id)")
-    from glm5_jax.rl import distributed_backend  # pylint: disable=g-import-not-at-top
+    from glm5_jax.rl.orchestration import distributed_backend  # pylint: disable=g-import-not-at-top
     if jax.process_index() > 0:
       return distributed_backend.serve()
     try:

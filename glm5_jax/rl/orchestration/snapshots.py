@@ -6,7 +6,7 @@
 
 GLM-5 (arXiv 2602.15763, §3) decouples rollout from training: rollout engines keep sampling
 and pick up the trainer's weights every K updates. `InProcessWeights` and `FileWeights`
-(glm5_jax/rl/weights.py) move the whole tree through one process; at 744B parameters
+(glm5_jax/rl/orchestration/weights.py) move the whole tree through one process; at 744B parameters
 (1.5 TB in bfloat16) no process can hold it. Here the trainer's processes write the shards
 their devices hold and each reader builds its arrays (`template`: a tree of
 `jax.ShapeDtypeStruct(shape, dtype, sharding=...)`, any mesh, devices or processes) from
@@ -68,9 +68,13 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from glm5_jax.rl import weights as weights_lib
-from glm5_jax.rl.weights import CorruptSnapshotError
-from glm5_jax.rl.weights import _as_bytes, _check_version, _dtype, _key_name, _template_paths
+from glm5_jax.rl.orchestration import weights as weights_lib
+from glm5_jax.rl.orchestration.weights import CorruptSnapshotError
+from glm5_jax.rl.orchestration.weights import _as_bytes
+from glm5_jax.rl.orchestration.weights import _check_version
+from glm5_jax.rl.orchestration.weights import _dtype
+from glm5_jax.rl.orchestration.weights import _key_name
+from glm5_jax.rl.orchestration.weights import _template_paths
 
 COMMIT = "COMMIT"
 _COMMITTED = re.compile(r"^v(\d{10})$")

@@ -7,8 +7,8 @@
   backend.kill(0)            # ray.kill: the process dies mid-run (fault injection)
   backend.restart(0, epoch=1); backend.shutdown()
 
-The methods are `LocalBackend`'s (`glm5_jax/rl/local_backend.py`) and the worker class is the
-same: an actor wraps it and calls `worker.run(inbox, outbox, weights, should_stop)` as one
+The methods are `LocalBackend`'s (`glm5_jax/rl/orchestration/local_backend.py`) and the worker class
+is the same: an actor wraps it and calls `worker.run(inbox, outbox, weights, should_stop)` as one
 long-running method. The actor is threaded (`max_concurrency=2`) so that `stop()` can set
 `should_stop` while `run` is busy. Queues are `ray.util.queue.Queue` (an actor each; its
 `Empty` / `Full` subclass `queue.Empty` / `queue.Full`, so worker code catches the same
@@ -26,9 +26,9 @@ trainer's device split, not the worker's). Ray is optional: `pip install -e ".[r
 import os
 import threading
 
-from glm5_jax.rl import snapshots as snapshots_lib
-from glm5_jax.rl import weights as weights_lib
-from glm5_jax.rl.local_backend import worker_ids
+from glm5_jax.rl.orchestration import snapshots as snapshots_lib
+from glm5_jax.rl.orchestration import weights as weights_lib
+from glm5_jax.rl.orchestration.local_backend import worker_ids
 
 THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 

@@ -35,8 +35,8 @@ from typing import Callable
 
 import numpy as np
 
-from glm5_jax.rl import sandbox
-from glm5_jax.rl.tasks import problem as problem_lib
+from glm5_jax.rl.envs import sandbox
+from glm5_jax.rl.envs.tasks import problem as problem_lib
 
 NAME = "python_functions"
 MAX_RESPONSE_BYTES = 160

@@ -8,9 +8,10 @@
 
 A worker class is constructed from a picklable spec dict and runs
 `worker.run(inbox, outbox, weights, should_stop)` until `should_stop()` is true; the same
-class runs unchanged as a Ray actor (`glm5_jax/rl/ray_backend.py`, same methods). Each worker
-has its own inbox (the orchestrator routes requests to a replica, `glm5_jax/rl/routing.py`);
-all share one outbox (results and heartbeats carry the worker id and epoch).
+class runs unchanged as a Ray actor (`glm5_jax/rl/orchestration/ray_backend.py`, same methods). Each
+worker has its own inbox (the orchestrator routes requests to a replica,
+`glm5_jax/rl/orchestration/routing.py`); all share one outbox (results and heartbeats carry the
+worker id and epoch).
 
 `kill` makes `should_stop()` true: the loop ends at its next check and the heartbeats stop
 (issue 14: a local worker is "killed" by stopping its heartbeat and loop). A thread cannot be
@@ -27,7 +28,7 @@ import traceback
 
 from absl import logging
 
-from glm5_jax.rl import weights as weights_lib
+from glm5_jax.rl.orchestration import weights as weights_lib
 
 
 @dataclasses.dataclass
