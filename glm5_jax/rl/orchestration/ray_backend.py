@@ -1,4 +1,4 @@
-"""Rollout workers as Ray actors, each its own process and JAX runtime (issue 14, backend="ray").
+"""Rollout workers as Ray actors, each its own process and JAX runtime (backend="ray").
 
   backend = RayBackend(RolloutWorker, ShardedWeights(workdir + "/weights"))
   backend.start([{"worker_id": 0, "epoch": 0, ...}, ...])   # same specs as LocalBackend
