@@ -44,12 +44,12 @@ from configs import rl as rl_config
 from configs import rl_async as rl_async_config
 from glm5_jax import config as config_lib
 from glm5_jax import nn as gnn
+from glm5_jax import orbax_io
 from glm5_jax import sharding as shd
 from glm5_jax.inference import Engine
 from glm5_jax.rl.orchestration import async_loop
 from glm5_jax.rl.orchestration import grpo
 from glm5_jax.rl.orchestration import weights as weights_lib
-from glm5_jax.train import checkpoint as ckpt_lib
 from glm5_jax.train import metrics as metrics_lib
 
 _PRESETS = flags.DEFINE_list("presets", ["tiny"], "model presets")
@@ -72,7 +72,7 @@ def _mesh(text: str) -> dict:
 
 def _init_dir(preset: str) -> str:
   cfg = config_lib.get_preset(preset)
-  return ckpt_lib.save_params(tempfile.mkdtemp(), cfg, gnn.init_params(cfg, 0))
+  return orbax_io.save_params(tempfile.mkdtemp(), cfg, gnn.init_params(cfg, 0))
 
 
 def grpo_rows(preset: str, init: str) -> list[dict]:

@@ -22,12 +22,12 @@ import sys
 from absl import app
 from absl import flags
 
+from glm5_jax import convert
 from glm5_jax.data import chat
 from glm5_jax.inference import Engine
 from glm5_jax.inference import SamplingParams
 from glm5_jax.rl.envs import chat_session
 from glm5_jax.rl.envs import tools
-from glm5_jax.train import checkpoint as train_checkpoint
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "pretraining / RL workdir or Hugging "
                                   "Face glm_moe_dsa directory", required=True)
@@ -60,7 +60,7 @@ def _check_flags() -> None:
 def _load():
   """(engine, tokenizer, sampling) from the flags."""
   try:
-    cfg, params = train_checkpoint.load_model(_CHECKPOINT.value, what="--checkpoint")
+    cfg, params = convert.load_model(_CHECKPOINT.value, what="--checkpoint")
   except (FileNotFoundError, ValueError) as e:
     raise SystemExit(f"error: {e}") from None
   tok = chat.get_chat_tokenizer(_TOKENIZER.value)

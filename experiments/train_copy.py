@@ -27,6 +27,7 @@ from ml_collections import config_flags
 import numpy as np
 
 from glm5_jax import config as config_lib
+from glm5_jax import convert
 from glm5_jax import nn as gnn
 from glm5_jax.data import copy_task
 from glm5_jax.train import checkpoint
@@ -49,7 +50,7 @@ def _model(c):
     if changed:
       raise ValueError(f"config.model changes {changed}: not with config.init_from, whose "
                        f"model is the checkpoint's")
-    cfg, params = checkpoint.load_model(c.init_from)
+    cfg, params = convert.load_model(c.init_from)
     name = c.init_from
   else:
     params = gnn.init_params(cfg, c.seed)

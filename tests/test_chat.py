@@ -634,9 +634,9 @@ def test_cli_sigint_cancels_the_reply_then_quits_at_the_prompt(tmp_path, tiny_cf
   (their own seeds); Ctrl-C at the prompt exits 130. No segfault, no traceback."""
   import signal  # pylint: disable=g-import-not-at-top
   import time  # pylint: disable=g-import-not-at-top
-  from glm5_jax.train import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
+  from glm5_jax import orbax_io  # pylint: disable=g-import-not-at-top
   from tests import seeding  # pylint: disable=g-import-not-at-top
-  wd = ckpt_lib.save_params(str(tmp_path / "ckpt"), tiny_cfg, tiny_params)
+  wd = orbax_io.save_params(str(tmp_path / "ckpt"), tiny_cfg, tiny_params)
   err_path = tmp_path / "stderr"
   with open(err_path, "wb") as err_file:
     p = _cli(f"--checkpoint={wd}", "--tools=calculator", "--max_new_tokens=16",

@@ -405,8 +405,8 @@ def test_chat_on_the_real_engine_prints_turns_and_forgets_failed_replies(tiny_en
 def test_chat_cli_reads_stdin_with_a_saved_checkpoint(tmp_path, tiny_cfg, tiny_params):
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
-  from glm5_jax.train import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
-  wd = ckpt_lib.save_params(str(tmp_path / "ckpt"), tiny_cfg, tiny_params)
+  from glm5_jax import orbax_io  # pylint: disable=g-import-not-at-top
+  wd = orbax_io.save_params(str(tmp_path / "ckpt"), tiny_cfg, tiny_params)
   run = subprocess.run(
       [sys.executable, "-m", "experiments.chat", f"--checkpoint={wd}", "--tools=calculator",
        "--max_new_tokens=6", "--max_len=128", "--temperature=0"],

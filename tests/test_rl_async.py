@@ -23,9 +23,9 @@ import pytest
 from configs import rl_async
 from glm5_jax import config as config_lib
 from glm5_jax import nn as gnn
+from glm5_jax import orbax_io
 from glm5_jax.rl.orchestration import async_loop
 from glm5_jax.rl.orchestration import ledger as ledger_lib
-from glm5_jax.train import checkpoint as ckpt_lib
 from glm5_jax.train import metrics as metrics_lib
 from glm5_jax.train import preemption
 
@@ -36,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def init_dir(tmp_path_factory):
   cfg = config_lib.get_preset("tiny")
   path = str(tmp_path_factory.mktemp("async_init"))
-  ckpt_lib.save_params(path, cfg, gnn.init_params(cfg, jax.random.PRNGKey(0)))
+  orbax_io.save_params(path, cfg, gnn.init_params(cfg, jax.random.PRNGKey(0)))
   return path
 
 
@@ -389,7 +389,7 @@ def _big_model(tmp_path):
   sizes = [x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)]
   assert sum(sizes) >= 2**30, sum(sizes)
   init = str(tmp_path / "init")
-  ckpt_lib.save_params(init, cfg, gnn.init_params(cfg, jax.random.PRNGKey(0)))
+  orbax_io.save_params(init, cfg, gnn.init_params(cfg, jax.random.PRNGKey(0)))
   return init, sum(sizes), max(sizes)
 
 

@@ -43,7 +43,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from glm5_jax import convert
 from glm5_jax import nn as gnn
+from glm5_jax import orbax_io
 from glm5_jax import sharding as shd
 from glm5_jax.train import checkpoint as ckpt_lib
 from glm5_jax.train import checks
@@ -171,7 +173,7 @@ def _init_state(c, cfg, tx, mesh, param_sh, shapes, rules, solo=False):
   if how == "auto":
     how = "host" if jax.default_backend() == "cpu" else "jit"
   if c.init_from:
-    params = ckpt_lib.load_params(c.init_from, cfg, param_sh, mesh=mesh, rules=rules, solo=solo)
+    params = convert.load_params(c.init_from, cfg, param_sh, mesh=mesh, rules=rules, solo=solo)
   elif how == "host":
     host = gnn.init_params(cfg, c.seed)
     params = jax.tree.map(lambda x, sh: jax.make_array_from_callback(
@@ -317,7 +319,7 @@ def _run(c, workdir: str, source: Source, preempt) -> dict:
                           is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
   step_lib.check_qat(c, shapes)
   source.setup(cfg, mesh, param_sh)
-  ckpt_lib.check_model_config(workdir, cfg)
+  orbax_io.check_model_config(workdir, cfg)
   tx = step_lib.make_optimizer(c, param_sh)
   stage = c.stage
   mngr = ckpt_lib.manager(workdir, keep=c.keep_checkpoints, async_save=c.async_checkpoints,

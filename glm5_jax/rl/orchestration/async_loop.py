@@ -71,7 +71,9 @@ from jax.experimental import multihost_utils
 import numpy as np
 import orbax.checkpoint as ocp
 
+from glm5_jax import convert
 from glm5_jax import memory
+from glm5_jax import orbax_io
 from glm5_jax import policy
 from glm5_jax import sharding as shd
 from glm5_jax import timing
@@ -92,7 +94,6 @@ from glm5_jax.rl.orchestration import routing
 from glm5_jax.rl.orchestration import snapshots as snapshots_lib
 from glm5_jax.rl.orchestration import staleness
 from glm5_jax.rl.orchestration import weights as weights_lib
-from glm5_jax.train import checkpoint as ckpt_lib
 from glm5_jax.train import loop
 
 BACKENDS = ("local", "ray", "distributed")
@@ -299,7 +300,7 @@ class AsyncTrainer:
 
   # ------------------------------------------------------------------ the runner's calls
   def model_config(self):
-    cfg = ckpt_lib.model_config_of(self.c.init_from, "config.init_from")
+    cfg = convert.model_config_of(self.c.init_from, "config.init_from")
     return cfg.replace(attention_type="sparse")
 
   def setup(self, cfg, mesh, param_sh) -> None:
@@ -539,7 +540,7 @@ class AsyncTrainer:
     return {"worker_id": wid, "epoch": self.epochs[wid],
             "devices": self.worker_devices[wid] if local else None,
             "mesh": dict(self.r.rollout_mesh), "rules": self.c.mesh_rules,
-            "model_config": ckpt_lib.model_fields(self.cfg), "rl": self.rd,
+            "model_config": orbax_io.model_fields(self.cfg), "rl": self.rd,
             "tokenizer": self.c.data.tokenizer, "seed": self.c.seed}
 
   def _publish(self, params):

@@ -53,6 +53,8 @@ import jax.numpy as jnp
 from jax.experimental import multihost_utils
 import numpy as np
 
+from glm5_jax import convert
+from glm5_jax import orbax_io
 from glm5_jax import policy
 from glm5_jax import policy_losses as rl_losses
 from glm5_jax import sharding as shd
@@ -71,7 +73,6 @@ from glm5_jax.rl.algorithm.seeds import seed_of
 from glm5_jax.rl.envs import rewards as rewards_lib
 from glm5_jax.rl.envs import rollout as rollout_lib
 from glm5_jax.rl.envs import tasks as tasks_lib
-from glm5_jax.train import checkpoint as ckpt_lib
 from glm5_jax.train import loop
 
 
@@ -99,7 +100,7 @@ class GRPO:
     self.engine = self.teacher = self.eval_engine = None
 
   def model_config(self):
-    cfg = ckpt_lib.model_config_of(self.c.init_from, "config.init_from")
+    cfg = convert.model_config_of(self.c.init_from, "config.init_from")
     return cfg.replace(attention_type="sparse")
 
   def setup(self, cfg, mesh, param_sh) -> None:
@@ -232,12 +233,12 @@ def load_teacher(path: str, cfg, param_sh, mesh, rules):
   """The distillation teacher's params, sharded like the student's; it must be a checkpoint
   of the policy's model."""
   what = "config.distill.teacher"
-  t_cfg = ckpt_lib.model_config_of(path, what)
-  diff = ckpt_lib.model_diff(ckpt_lib.model_fields(t_cfg), ckpt_lib.model_fields(cfg))
+  t_cfg = convert.model_config_of(path, what)
+  diff = orbax_io.model_diff(orbax_io.model_fields(t_cfg), orbax_io.model_fields(cfg))
   if diff:
     raise ValueError(f"{what}={path!r}: a teacher must be a checkpoint of the policy's model; "
                      f"its config differs (field: (teacher, policy)): {diff}")
-  return ckpt_lib.load_params(path, cfg, param_sh, mesh=mesh, rules=rules, what=what)
+  return convert.load_params(path, cfg, param_sh, mesh=mesh, rules=rules, what=what)
 
 
 def run(c, workdir: str) -> dict:
