@@ -20,6 +20,7 @@ import os
 
 import jax
 
+from glm5_jax import config as config_lib
 from glm5_jax import hf
 from glm5_jax import nn as gnn
 from glm5_jax import orbax_io
@@ -123,7 +124,7 @@ def load_params(path: str, cfg, shardings, *, mesh=None, rules=None,
                        "quantized from, or write a float copy (hf.load_pretrained(path, "
                        "dequantize=True), then hf.save_pretrained)")
     got, params = hf.load_pretrained(path, mesh=mesh, rules=rules)
-    diff = orbax_io.model_diff(orbax_io.model_fields(got), orbax_io.model_fields(cfg))
+    diff = config_lib.model_diff(config_lib.model_fields(got), config_lib.model_fields(cfg))
     if diff:
       raise ValueError(f"{what}={path!r} holds another model (field: (there, here)): {diff}")
     return jax.tree.map(lambda x, sh: jax.device_put(x, sh), params, shardings)

@@ -22,6 +22,8 @@ from etils import epath
 import jax
 import orbax.checkpoint as ocp
 
+from glm5_jax import config as config_lib
+
 class CorruptCheckpoint(ValueError):
   """A checkpoint step that cannot be read back (a truncated or missing file)."""
 
@@ -114,9 +116,8 @@ def multiprocessing_options(solo: bool = False) -> ocp.options.MultiprocessingOp
                                             barrier_sync_key_prefix=f"solo{me}")
 
 
-def find_model_config(path: str) -> tuple[str, "ModelConfig"]:  # noqa: F821
+def find_model_config(path: str) -> tuple[str, config_lib.ModelConfig]:
   """(workdir, ModelConfig) from the model_config.json in `path` or a directory above it."""
-  from glm5_jax.config import ModelConfig  # pylint: disable=g-import-not-at-top
   workdir = os.path.abspath(path)
   while workdir != "/" and not os.path.exists(os.path.join(workdir, "model_config.json")):
     workdir = os.path.dirname(workdir)
@@ -124,29 +125,13 @@ def find_model_config(path: str) -> tuple[str, "ModelConfig"]:  # noqa: F821
     raise FileNotFoundError(f"{path!r}: no model_config.json in it or above it; expected a "
                             "training workdir (or one written by experiments.convert_checkpoint)")
   with open(os.path.join(workdir, "model_config.json")) as f:
-    return workdir, ModelConfig(**json.load(f))
-
-
-_HOW_NOT_WHAT = ("attention_type", "attention_impl", "attention_chunk_size", "remat", "dtype",
-                 "expert_dispatch", "moe_capacity_factor")  # how a model runs, not which
-                                                            # model it is
-
-
-def model_fields(cfg) -> dict:
-  """The ModelConfig fields that define the model (JSON-ready)."""
-  return json.loads(json.dumps({k: v for k, v in dataclasses.asdict(cfg).items()
-                                if k not in _HOW_NOT_WHAT}))
-
-
-def model_diff(old: dict, now: dict) -> dict:
-  """{field: (old, now)} where two `model_fields` differ."""
-  return {k: (old.get(k), now.get(k)) for k in set(old) | set(now) if old.get(k) != now.get(k)}
+    return workdir, config_lib.ModelConfig(**json.load(f))
 
 
 def check_model_config(workdir: str, cfg) -> None:
   """Writes WORKDIR/model_config.json, or refuses a workdir of a different model shape."""
   path = os.path.join(workdir, "model_config.json")
-  now = model_fields(cfg)
+  now = config_lib.model_fields(cfg)
   if os.path.exists(path):
     with open(path) as f:
       old = json.load(f)
@@ -154,7 +139,7 @@ def check_model_config(workdir: str, cfg) -> None:
     # same model.
     defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
     old = {**{k: v for k, v in now.items() if k not in old and v == defaults.get(k)}, **old}
-    diff = model_diff(old, now)
+    diff = config_lib.model_diff(old, now)
     if diff:
       raise ValueError(f"workdir {workdir!r} holds a run of a different model "
                        f"(field: (saved, now)): {diff}; use a new --workdir or "

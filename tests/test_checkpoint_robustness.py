@@ -250,7 +250,7 @@ def test_model_config_field_added_later_at_its_default_is_the_same_model(tmp_pat
   import json  # pylint: disable=g-import-not-at-top
   from glm5_jax import config as config_lib  # pylint: disable=g-import-not-at-top
   cfg = config_lib.get_preset("tiny")
-  saved = orbax_io.model_fields(cfg)
+  saved = config_lib.model_fields(cfg)
   field = next(f.name for f in dataclasses.fields(cfg) if f.name in saved
                and saved[f.name] == f.default)
   del saved[field]                                   # a workdir written before the field

@@ -71,9 +71,9 @@ from jax.experimental import multihost_utils
 import numpy as np
 import orbax.checkpoint as ocp
 
+from glm5_jax import config as config_lib
 from glm5_jax import convert
 from glm5_jax import memory
-from glm5_jax import orbax_io
 from glm5_jax import policy
 from glm5_jax import sharding as shd
 from glm5_jax import timing
@@ -540,7 +540,7 @@ class AsyncTrainer:
     return {"worker_id": wid, "epoch": self.epochs[wid],
             "devices": self.worker_devices[wid] if local else None,
             "mesh": dict(self.r.rollout_mesh), "rules": self.c.mesh_rules,
-            "model_config": orbax_io.model_fields(self.cfg), "rl": self.rd,
+            "model_config": config_lib.model_fields(self.cfg), "rl": self.rd,
             "tokenizer": self.c.data.tokenizer, "seed": self.c.seed}
 
   def _publish(self, params):

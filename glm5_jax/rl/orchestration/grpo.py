@@ -53,8 +53,8 @@ import jax.numpy as jnp
 from jax.experimental import multihost_utils
 import numpy as np
 
+from glm5_jax import config as config_lib
 from glm5_jax import convert
-from glm5_jax import orbax_io
 from glm5_jax import policy
 from glm5_jax import policy_losses as rl_losses
 from glm5_jax import sharding as shd
@@ -234,7 +234,7 @@ def load_teacher(path: str, cfg, param_sh, mesh, rules):
   of the policy's model."""
   what = "config.distill.teacher"
   t_cfg = convert.model_config_of(path, what)
-  diff = orbax_io.model_diff(orbax_io.model_fields(t_cfg), orbax_io.model_fields(cfg))
+  diff = config_lib.model_diff(config_lib.model_fields(t_cfg), config_lib.model_fields(cfg))
   if diff:
     raise ValueError(f"{what}={path!r}: a teacher must be a checkpoint of the policy's model; "
                      f"its config differs (field: (teacher, policy)): {diff}")
