@@ -1,4 +1,7 @@
-"""Lightning indexer reference: scores and deterministic causal top-k in plain jnp.
+"""Lightning indexer in XLA: scores and the deterministic causal top-k in plain jnp.
+
+The model's `impl="xla"` path (the CPU default) and the oracle every Pallas kernel is tested
+against.
 
 DeepSeek-V3.2 paper §2.1 eq. (1); docs/design.md §2.4:
 
@@ -25,7 +28,7 @@ are not a tie), +inf above every finite score. A NaN or -inf score makes its key
 invisible, like a key outside the window: it is never selected and the -1 tail
 takes its place.
 
-`topk_indices_reference` processes queries in chunks (`lax.map`), so peak
+`topk_indices_xla` processes queries in chunks (`lax.map`), so peak
 memory is O(b * chunk * s), never the full [t, s] score matrix.
 """
 
@@ -87,8 +90,8 @@ def deterministic_topk(scores_bts, limit, topk: int, start_bt=None):
   return idx
 
 
-def topk_indices_reference(q, k, w, topk: int, *, chunk_size: int = 512, start=None,
-                           limit=None):
+def topk_indices_xla(q, k, w, topk: int, *, chunk_size: int = 512, start=None,
+                     limit=None):
   """Chunked jnp lightning-indexer top-k (the `impl="xla"` path).
 
   Args:

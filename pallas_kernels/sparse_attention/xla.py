@@ -1,4 +1,4 @@
-"""Sparse MLA attention reference (absorbed / MQA form) in plain jnp.
+"""Sparse MLA attention in XLA (absorbed / MQA form), plain jnp.
 
 docs/design.md §2.3 with the DSA top-k of §2.4; the contract of DeepSeek's
 FlashMLA sparse kernels. Per query t and head h, over the selected rows
@@ -12,7 +12,7 @@ A row with no valid slot gives out = 0 and lse = -inf.
 
 Notation: b batch, t queries, s cache rows, h heads, k top-k slots, d = d_qk.
 
-`sparse_mla_reference` gathers the k selected rows for a chunk of queries at a
+`sparse_mla_xla` gathers the k selected rows for a chunk of queries at a
 time (`lax.map` + `jax.checkpoint`), so peak memory is O(chunk * k * d) in the
 forward and the backward; it is the `impl="xla"` path and the oracle for the
 kernels. `sparse_mla_dense_oracle` builds the full [t, s] masked softmax, for
@@ -50,7 +50,7 @@ def _attend_chunk(q_bchd, kv_bsd, idx_bck, v_dim: int, scale: float, dtype=None)
   return out.astype(q_bchd.dtype), lse_bch
 
 
-def sparse_mla_reference(q, kv, indices, *, v_dim: int, scale: float, chunk_size: int = 256):
+def sparse_mla_xla(q, kv, indices, *, v_dim: int, scale: float, chunk_size: int = 256):
   """Chunked jnp sparse MLA attention (the `impl="xla"` path).
 
   Args:
