@@ -47,7 +47,7 @@ def get_config(arg=None):
                                           # processes 1..workers (process 0 trains; every
                                           # process runs the same command)
       "ray_cpus_per_worker": 1,           # Ray actors' num_cpus
-      # How backend=ray / distributed pushes weights (async_loop.SNAPSHOT_STORES): "sharded": each
+      # How backend=ray / distributed pushes weights (backends.SNAPSHOT_STORES): "sharded": each
       # process writes / reads only its own shards (rl/orchestration/snapshots.py); "file": one
       # file.
       "snapshots": "sharded",

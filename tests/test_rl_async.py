@@ -25,6 +25,7 @@ from glm5_jax import config as config_lib
 from glm5_jax import nn as gnn
 from glm5_jax import orbax_io
 from glm5_jax.rl.orchestration import async_loop
+from glm5_jax.rl.orchestration import control
 from glm5_jax.rl.orchestration import ledger as ledger_lib
 from glm5_jax.train import metrics as metrics_lib
 from glm5_jax.train import preemption
@@ -94,7 +95,7 @@ def test_local_loop_with_faults(init_dir, tmp_path):
   crashed = [e for e in events if e["event"] == "finished" and e.get("status") == "env_error"]
   assert crashed, "env_crash_rate=0.3 crashed nothing"
   assert copies and all(e["id"] != e["copy_of"] for e in copies)
-  ctl = async_loop.read_control(workdir, c.total_steps)
+  ctl = control.read_control(workdir, c.total_steps)
   assert ctl["update"] == c.total_steps and ctl["consumed"] == c.total_steps * 2
 
 
@@ -145,7 +146,7 @@ def test_sigterm_checkpoints_stops_and_the_rerun_finishes(init_dir, tmp_path):
   assert stopped.value.code == 0 and 1 <= stopped.value.step < c.total_steps
   events = ledger_lib.read(os.path.join(workdir, "rollouts.jsonl"))
   assert any(e.get("reason") == "shutdown" for e in events)
-  assert async_loop.read_control(workdir, stopped.value.step)["requeue"], (
+  assert control.read_control(workdir, stopped.value.step)["requeue"], (
       "the stopped run's in-flight prompts were not saved")
   async_loop.run(c, workdir)
   rows = _check_run(workdir, c)

@@ -24,7 +24,9 @@ trainer
      resets the optimizer state (GLM-5 §3).
 Workers heartbeat; a silent one is fenced (its late results refused), restarted at a new
 epoch, brought to the current version, and its in-flight groups re-queued. Every prompt and
-trajectory id goes through the ledger (`WORKDIR/rollouts.jsonl`, `ledger.audit`).
+trajectory id goes through the ledger (`WORKDIR/rollouts.jsonl`, `ledger.audit`). Steps 1-3
+and the restarts are the trainer's `group_stream.GroupStream`; the backends `backends.py`; the
+counters a checkpoint holds `control.py`.
 
 Placement (glm5_jax/rl/orchestration/weights.py). The trainer trains on the first
 `config.num_devices` devices under `config.mesh` (sharded like pretraining). Backend "local": each
@@ -59,9 +61,7 @@ is not bitwise the uninterrupted one.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import os
-import queue
 import time
 
 from absl import logging
@@ -81,22 +81,18 @@ from glm5_jax.data import chat
 from glm5_jax.nn import layer_stack
 from glm5_jax.rl.algorithm import batches
 from glm5_jax.rl.algorithm import consistency as consistency_lib
-from glm5_jax.rl.algorithm import groups as groups_lib
 from glm5_jax.rl.algorithm import trajectory as traj_lib
 from glm5_jax.rl.algorithm.seeds import seed_of
 from glm5_jax.rl.envs import agent as agent_lib
 from glm5_jax.rl.envs import context as context_lib
 from glm5_jax.rl.envs import tasks as tasks_lib
-from glm5_jax.rl.orchestration import heartbeat
+from glm5_jax.rl.orchestration import backends
+from glm5_jax.rl.orchestration import control
 from glm5_jax.rl.orchestration import ledger as ledger_lib
 from glm5_jax.rl.orchestration import rollout_worker as worker_lib
-from glm5_jax.rl.orchestration import routing
-from glm5_jax.rl.orchestration import snapshots as snapshots_lib
 from glm5_jax.rl.orchestration import staleness
-from glm5_jax.rl.orchestration import weights as weights_lib
+from glm5_jax.rl.orchestration.group_stream import GroupStream
 from glm5_jax.train import loop
-
-BACKENDS = ("local", "ray", "distributed")
 
 
 def validate(c) -> None:
@@ -111,149 +107,6 @@ def validate(c) -> None:
   except (TypeError, ValueError) as e:
     raise ValueError(f"config.rl.context={dict(c.rl.context)}: {e}") from None
   tasks_lib.from_config(c.rl)
-
-
-def rollout_devices(n_trainer: int, n_workers: int, per_worker: int) -> list[list[int]]:
-  """Each worker's device indices: `per_worker` devices each from those after the trainer's
-  first `n_trainer` (round robin over them; all devices when none is left)."""
-  n = jax.device_count()
-  pool = list(range(n_trainer, n)) or list(range(n))
-  return [[pool[(w * per_worker + j) % len(pool)] for j in range(per_worker)]
-          for w in range(n_workers)]
-
-
-class Prompts:
-  """The task's training prompts as an endless indexed stream (chunks of distinct draws)."""
-
-  def __init__(self, task, seed: int, chunk: int = 512):
-    self.task, self.seed, self.chunk = task, seed, chunk
-    self._cache: dict = {}
-
-  def __getitem__(self, index: int):
-    c = index // self.chunk
-    if c not in self._cache:
-      self._cache = {c: self.task.problems("train", self.chunk,
-                                           seed_of(self.seed, 7, c))}
-    return self._cache[c][index % self.chunk]
-
-
-@dataclasses.dataclass
-class Group:
-  """A finished group on the trainer's side: its rollouts (each a list of segments)."""
-  group_id: str
-  prompt_index: int
-  rollouts: list
-  worker: int
-
-
-def batch_of(groups, normalize_std: bool, rows_multiple: int = 1, context: int = 1):
-  """(TrajectoryBatch, segment list) of the segments of `groups`, each carrying its rollout's
-  group-relative advantage. Rows are padded to a power of two (rounded up to a multiple of
-  `rows_multiple`, the mesh's batch axes) by copies of row 0 without loss, so few distinct
-  shapes compile; the length to its bucket, a multiple of 2 * `context`."""
-  segs, advs = [], []
-  for g in groups:
-    for rollout, a in zip(g.rollouts, groups_lib.advantages(g.rollouts, normalize_std)):
-      for seg in rollout:
-        segs.append(seg)
-        advs.append(a)
-  n = -(-traj_lib.bucket_length(len(segs), minimum=1) // rows_multiple) * rows_multiple
-  pad = n - len(segs)
-  length = batches.padded_length(max(s.length for s in segs), context)
-  batch = traj_lib.make_batch(segs + [segs[0]] * pad, advs + [0.0] * pad, length=length)
-  if pad:
-    batch.loss_mask[len(segs):] = 0.0
-    batch.versions[len(segs):] = -1
-  return batch, segs
-
-
-def consistency(logprobs, snapshots: dict, batch, segs, dev=None) -> dict:
-  """Train/rollout agreement, each token under the version that sampled it: log-prob |diff|
-  (max, mean), top-k mismatches (positions whose engine top-k set differs in some layer) and
-  MoE routing mismatches ((token, layer) pairs whose experts differ; 0 under routing replay,
-  whose experts `dev` carries). dev: `batch` on the trainer's devices (default: placed here
-  on the default device)."""
-  if dev is None:
-    dev = {k: jnp.asarray(getattr(batch, k)) for k in ("tokens", "positions", "segment_ids")}
-  mask = batch.loss_mask > 0
-  diffs, counts, unmeasured = [], np.zeros(4, np.int64), 0
-  for v in sorted(set(batch.versions[mask].tolist())):
-    sel = mask & (batch.versions == v)
-    if v not in snapshots:
-      unmeasured += int(sel.sum())
-      continue
-    logp, _, topk, experts = logprobs(snapshots[v], dev)
-    diffs.append(np.abs(batch.rollout_logp[sel] - np.asarray(logp, np.float64)[sel]))
-    # The top-k and the experts at position p made the logits of the token at p + 1: compare
-    # where that token was sampled by version v.
-    mine = []
-    for tr in segs:
-      ok = lambda p, tr=tr: p + 1 < len(tr.versions) and tr.versions[p + 1] == v
-      mine.append(dataclasses.replace(
-          tr, topk={p: x for p, x in (tr.topk or {}).items() if ok(p)},
-          routing={p: x for p, x in (tr.routing or {}).items() if ok(p)}))
-    counts += (*policy.topk_mismatches(mine, topk), *policy.routing_mismatches(mine, experts))
-  d = np.concatenate(diffs) if diffs else np.zeros(0)
-  return {"logp_abs_diff_max": float(d.max(initial=0.0)),
-          "logp_abs_diff_mean": float(d.mean()) if d.size else 0.0,
-          **consistency_lib.mismatch_metrics(*(int(x) for x in counts)),
-          "routing_bytes_per_token": traj_lib.routing_bytes_per_token(segs),
-          "logp_unmeasured_tokens": float(unmeasured)}
-
-
-class Control:
-  """The trainer's counters and queues that a checkpoint holds (besides params, optimizer):
-  also the ledger's length at the save (what a resume keeps of it, rl/orchestration/ledger.py) and
-  the metrics' running totals (`totals`: counts, staleness histogram, wall, idle and compile
-  time), which a resumed run continues from."""
-
-  def __init__(self, seed: int):
-    self.update = self.version = self.consumed = self.admitted = self.cursor = 0
-    self.requeue: collections.deque = collections.deque()   # pristine prompt indices
-    self.rng = np.random.default_rng(seed_of(seed, 11))
-    self.ledger_lines: int | None = None      # None: a checkpoint from before the field
-    self.totals: dict = {}
-
-  def to_json(self, in_flight, ledger_lines: int, totals: dict) -> dict:
-    return {"update": self.update, "version": self.version, "consumed": self.consumed,
-            "admitted": self.admitted, "cursor": self.cursor,
-            "requeue": list(self.requeue) + sorted(in_flight),
-            "rng": self.rng.bit_generator.state, "ledger_lines": ledger_lines,
-            "totals": totals}
-
-  def load(self, d: dict):
-    for f in ("update", "version", "consumed", "admitted", "cursor"):
-      setattr(self, f, int(d[f]))
-    self.requeue = collections.deque(int(i) for i in d["requeue"])
-    self.rng.bit_generator.state = d["rng"]
-    self.ledger_lines = d.get("ledger_lines")
-    self.totals = d.get("totals") or {}
-
-
-
-# config.rl.snapshots -> the store Ray actors read versions from (files in the workdir).
-SNAPSHOT_STORES = {"sharded": snapshots_lib.ShardedWeights, "file": weights_lib.FileWeights}
-
-
-def make_backend(c, workdir):
-  """(backend, weights store) for config.rl.backend: threads of this process pulling device
-  arrays (`DeviceWeights`), or Ray actors or the jax.distributed cluster's other processes
-  reading snapshots (config.rl.snapshots)."""
-  if c.rl.backend == "local":
-    from glm5_jax.rl.orchestration import local_backend  # pylint: disable=g-import-not-at-top
-    store = weights_lib.DeviceWeights()
-    return local_backend.LocalBackend(worker_lib.RolloutWorker, store), store
-  store = SNAPSHOT_STORES[c.rl.snapshots](os.path.join(workdir, "weights"), keep=c.rl.tau + 2)
-  if c.rl.backend == "distributed":
-    from glm5_jax.rl.orchestration import distributed_backend  # pylint: disable=g-import-not-at-top
-    return distributed_backend.DistributedBackend(worker_lib.RolloutWorker, store), store
-  from glm5_jax.rl.orchestration import ray_backend  # pylint: disable=g-import-not-at-top
-  env = None
-  if c.rl.rollout_devices > 1:            # the actor's own fake CPU devices
-    env = {"XLA_FLAGS": ray_backend.worker_env()["XLA_FLAGS"] +
-           f" --xla_force_host_platform_device_count={c.rl.rollout_devices}"}
-  return ray_backend.RayBackend(worker_lib.RolloutWorker, store, env_vars=env,
-                                num_cpus=c.rl.ray_cpus_per_worker), store
 
 
 class AsyncTrainer:
@@ -281,19 +134,12 @@ class AsyncTrainer:
     self.rd = r.to_dict()
     self.task = tasks_lib.from_config(r)
     self.tok = chat.get_chat_tokenizer(c.data.tokenizer)
-    self.prompts = Prompts(self.task, c.seed)
-    self.ctl = Control(c.seed)
+    self.ctl = control.Control(c.seed)
+    self.stream = GroupStream(r, c.seed, self.ctl, control.Prompts(self.task, c.seed),
+                              clock=clock)
     self.snapshots: dict = {}                 # version -> params (the last gap_versions)
-    self.in_flight: dict = {}                 # group id -> (prompt index, worker)
-    self.ready: list[Group] = []
-    self.monitor = heartbeat.Monitor(r.heartbeat_timeout_s, clock=clock)
-    self.router = routing.Router(r.workers, load_bound=r.route_load_bound, seed=c.seed)
-    self.worker_stats: dict = {}
-    self.counts = collections.Counter()
     self.spans = collections.Counter()
-    self.ledger = self.backend = self.store = self._eval_engine = None
-    self.epochs = [0] * r.workers
-    self.kill_at = None                       # faults.kill_worker_after_s, on the clock
+    self.store = self._eval_engine = None
     self.launched, self.wait_s, self.t_loop = False, 0.0, None
     self.gap_versions = r.gap_versions or r.tau + 1
     self.push_rss_growth = 0.0                # this process's peak RSS growth, last push
@@ -314,8 +160,8 @@ class AsyncTrainer:
     self.batch_sh = shd.batch_sharding(mesh) if self.sharded else None
     self.rows_multiple = shd.batch_axis_size(mesh)
     self.context = mesh.shape["context"]
-    self.worker_devices = rollout_devices(mesh.size if c.num_devices else 0, r.workers,
-                                          r.rollout_devices)
+    self.worker_devices = backends.rollout_devices(mesh.size if c.num_devices else 0,
+                                                   r.workers, r.rollout_devices)
     if r.backend == "local" and r.rollout_devices > jax.device_count():
       raise ValueError(f"config.rl.rollout_devices={r.rollout_devices}: this process has "
                        f"{jax.device_count()} devices")
@@ -343,8 +189,9 @@ class AsyncTrainer:
     consistency_lib.warn_without_batch_invariance()
 
   def save_items(self) -> dict:
-    in_flight = [i for i, _ in self.in_flight.values()] + [g.prompt_index for g in self.ready]
-    return {"control": ocp.args.JsonSave(self.ctl.to_json(in_flight, self.ledger.lines,
+    s = self.stream
+    in_flight = [i for i, _ in s.in_flight.values()] + [g.prompt_index for g in s.ready]
+    return {"control": ocp.args.JsonSave(self.ctl.to_json(in_flight, s.ledger.lines,
                                                           self._totals()))}
 
   def restore_items(self) -> dict:
@@ -353,7 +200,7 @@ class AsyncTrainer:
   def load(self, restored: dict) -> None:
     self.ctl.load(restored["control"])
     t = self.ctl.totals
-    self.counts = collections.Counter(t.get("counts", {}))
+    self.stream.counts = collections.Counter(t.get("counts", {}))
     self.spans = collections.Counter({int(k): v for k, v in t.get("spans", {}).items()})
     self.wait_s = float(t.get("wait_s", 0.0))
 
@@ -361,14 +208,14 @@ class AsyncTrainer:
     """Opens the ledger as this run (rl/orchestration/ledger.py: what a killed run wrote after the
     checkpoint is rolled back, what it left open at the checkpoint ledgered dropped)."""
     self._compile0 = timing.compile_seconds()  # count compilations from here ("compile_s")
-    self.ledger = self._open_ledger(resumed)
+    self.stream.ledger = self._open_ledger(resumed)
 
   def prepare(self, state) -> list:
     """Publishes the current version, starts the workers and admits the first groups; then,
     while they compile and sample, compiles the trainer's forward for `rl.warmup_lengths`
     and returns one batch per length for the runner to compile its update on."""
     r = self.r
-    self.backend, self.store = make_backend(self.c, self.workdir)
+    self.stream.backend, self.store = backends.make_backend(self.c, self.workdir)
     if hasattr(self.store, "discard_from"):     # on disk: a killed run's later versions
       gone = self.store.discard_from(self.ctl.version) if jax.process_index() == 0 else []
       if jax.process_count() > 1 and not self.solo:   # before any trainer process publishes
@@ -377,10 +224,10 @@ class AsyncTrainer:
         logging.info("[rl_async] removed weight versions %s of an earlier run from %s",
                      gone, self.store.directory)
     self._publish(state.params)
-    self.backend.start([self._spec(wid) for wid in range(r.workers)])
+    self.stream.backend.start([self._spec(wid) for wid in range(r.workers)])
     for wid in range(r.workers):
-      self.monitor.register(wid)
-    self._pump(0.0)
+      self.stream.monitor.register(wid)
+    self.stream.pump(0.0)
     rows = self._rows(r.groups_per_update * r.group_size)
     out = []
     for t in r.warmup_lengths:
@@ -394,7 +241,7 @@ class AsyncTrainer:
       jax.block_until_ready(self.forward(state.params, dev))
       out.append(dev)
     if r.faults.kill_worker_after_s > 0:
-      self.kill_at = self.clock() + r.faults.kill_worker_after_s
+      self.stream.kill_at = self.clock() + r.faults.kill_worker_after_s
     self.launched, self.t_loop = True, time.perf_counter()
     return out
 
@@ -405,18 +252,18 @@ class AsyncTrainer:
     t0 = time.perf_counter()
     taken = None
     while taken is None:
-      self._pump(0.02)
-      taken = self._take()
+      self.stream.pump(0.02)
+      taken = self.stream.take()
       if taken is None and time.perf_counter() - t0 > self.r.max_wait_s:
         raise RuntimeError(
             f"[rl_async] no update for config.rl.max_wait_s={self.r.max_wait_s}s: "
-            f"{len(self.in_flight)} groups in flight, {len(self.ready)} ready, counts "
-            f"{dict(self.counts)}, worker errors {self.backend.errors()}")
+            f"{len(self.stream.in_flight)} groups in flight, {len(self.stream.ready)} ready, "
+            f"counts {dict(self.stream.counts)}, worker errors {self.stream.backend.errors()}")
     self.wait_s += time.perf_counter() - t0
     t1 = time.perf_counter()
-    batch, segs = batch_of(taken, self.r.normalize_std, self.rows_multiple, self.context)
+    batch, segs = batches.batch_of(taken, self.r.normalize_std, self.rows_multiple, self.context)
     dev = batches.device_batch(batch, self.batch_sh, replay=self.r.routing_replay)
-    m = consistency(self.forward, self.snapshots, batch, segs, dev)
+    m = consistency_lib.per_version_metrics(self.forward, self.snapshots, batch, segs, dev)
     self._taken, self._batch, self._segs = taken, batch, segs
     m.update(consistency_s=time.perf_counter() - t1,
              batch_tokens=float(batch.segment_ids.sum()),
@@ -435,9 +282,9 @@ class AsyncTrainer:
     for g in taken:
       for ro in g.rollouts:
         for seg in ro:
-          self.ledger.write(seg.id, "trajectory", "consumed", group=g.group_id,
-                            update=self.ctl.update)
-      self.ledger.write(g.group_id, "group", "consumed", update=self.ctl.update)
+          self.stream.ledger.write(seg.id, "trajectory", "consumed", group=g.group_id,
+                                   update=self.ctl.update)
+      self.stream.ledger.write(g.group_id, "group", "consumed", update=self.ctl.update)
     self.ctl.consumed += len(taken)
     self.ctl.update += 1
     if self.ctl.update != step:
@@ -451,10 +298,11 @@ class AsyncTrainer:
     m = dict(reward_mean=float(rewards.mean()), success_rate=float(np.mean(rewards >= 1.0)),
              staleness_mean=float(np.mean(spans)), staleness_max=float(max(spans)),
              segments=float(len(self._segs)), version=float(self.ctl.version),
-             in_flight=float(len(self.in_flight)), ready=float(len(self.ready)))
-    m.update({k: float(v) for k, v in self.counts.items()})
+             in_flight=float(len(self.stream.in_flight)), ready=float(len(self.stream.ready)))
+    m.update({k: float(v) for k, v in self.stream.counts.items()})
     for k in ("pull_bytes", "pull_s", "pull_rss_growth_bytes"):   # the replicas' latest
-      m[f"{k}_max"] = float(max([s.get(k, 0.0) for s in self.worker_stats.values()] or [0.0]))
+      m[f"{k}_max"] = float(max([s.get(k, 0.0) for s in self.stream.worker_stats.values()]
+                                or [0.0]))
     m.update({f"staleness_hist_{k}": float(v) for k, v in sorted(self.spans.items())})
     cached, prompt = t["prefix_tokens"]
     m.update(trainer_idle_ratio=self.wait_s / max(wall, 1e-9), compile_s=t["compile_s"],
@@ -469,16 +317,18 @@ class AsyncTrainer:
     (`Control.totals`) plus this run's. Counts and histogram are the live counters."""
     base = self.ctl.totals
     wall = base.get("wall_s", 0.0) + (time.perf_counter() - self.t_loop if self.t_loop else 0.0)
-    busy = [sum(s.get("busy_s", 0.0) for (w, _), s in self.worker_stats.items() if w == wid)
+    stats = self.stream.worker_stats
+    busy = [sum(s.get("busy_s", 0.0) for (w, _), s in stats.items() if w == wid)
             for wid in range(self.r.workers)]
     base_busy = base.get("busy_s", [])
     busy = [b + (base_busy[w] if w < len(base_busy) else 0.0) for w, b in enumerate(busy)]
     cached, prompt = base.get("prefix_tokens", [0, 0])
-    for s in self.worker_stats.values():
+    for s in stats.values():
       cached, prompt = cached + s.get("cached_prompt_tokens", 0), prompt + s.get(
           "prompt_tokens", 0)
     compile_s, compiles = timing.compile_seconds()      # this process (local workers too)
-    return {"counts": dict(self.counts), "spans": {str(k): v for k, v in self.spans.items()},
+    return {"counts": dict(self.stream.counts),
+            "spans": {str(k): v for k, v in self.spans.items()},
             "wall_s": wall, "wait_s": self.wait_s, "busy_s": busy,
             "prefix_tokens": [cached, prompt],
             "compile_s": base.get("compile_s", 0.0) + compile_s - self._compile0[0],
@@ -518,18 +368,18 @@ class AsyncTrainer:
   def close(self) -> None:
     """Stops the workers; work in flight or not consumed is ledgered dropped ("shutdown");
     the checkpoint's control state re-admits those prompts on resume."""
-    if self.backend is not None:        # a worker ends at its next loop check: after at most
-      self.backend.shutdown(timeout_s=600)  # one engine step, which may be compiling (a
+    if self.stream.backend is not None:        # a worker ends at its next loop check: after at most
+      self.stream.backend.shutdown(timeout_s=600)  # one engine step, which may be compiling (a
                                             # thread left in XLA at exit aborts the process)
-    if self.ledger is None:
+    if self.stream.ledger is None:
       return
-    for gid, (index, _) in self.in_flight.items():
-      self.ledger.write(gid, "group", "dropped", reason="shutdown", prompt_index=index)
-    for g in self.ready:
-      self._drop_group(g.group_id, g.prompt_index, "shutdown", requeue=False,
+    for gid, (index, _) in self.stream.in_flight.items():
+      self.stream.ledger.write(gid, "group", "dropped", reason="shutdown", prompt_index=index)
+    for g in self.stream.ready:
+      self.stream.drop(g.group_id, g.prompt_index, "shutdown", requeue=False,
                        rollouts=g.rollouts)
-    self.ledger.close()
-    self.ledger = None
+    self.stream.ledger.close()
+    self.stream.ledger = None
 
   # ------------------------------------------------------------------ workers
   def _rows(self, n: int) -> int:
@@ -537,7 +387,7 @@ class AsyncTrainer:
 
   def _spec(self, wid: int) -> dict:
     local = self.r.backend == "local"
-    return {"worker_id": wid, "epoch": self.epochs[wid],
+    return {"worker_id": wid, "epoch": self.stream.epochs[wid],
             "devices": self.worker_devices[wid] if local else None,
             "mesh": dict(self.r.rollout_mesh), "rules": self.c.mesh_rules,
             "model_config": config_lib.model_fields(self.cfg), "rl": self.rd,
@@ -590,142 +440,6 @@ class AsyncTrainer:
     self.ctl.admitted = max([self.ctl.admitted] + [g + 1 for g in gids])
     return ledger
 
-  def _admit(self):
-    cap = staleness.admission_capacity(
-        version=self.ctl.version, tau=self.r.tau,
-        groups_per_version=self.r.groups_per_update * self.r.updates_per_publish,
-        consumed=self.ctl.consumed, running=len(self.in_flight) + len(self.ready),
-        max_running=self.r.max_groups_in_flight)
-    for _ in range(cap):
-      if self.ctl.requeue:
-        index = self.ctl.requeue.popleft()
-      else:
-        index, self.ctl.cursor = self.ctl.cursor, self.ctl.cursor + 1
-      gid = f"g{self.ctl.admitted:06d}"
-      self.ctl.admitted += 1
-      wid = self.router.route(gid)
-      self.in_flight[gid] = (index, wid)
-      self.ledger.write(gid, "group", "admitted", prompt_index=index, worker=wid,
-                        version=self.ctl.version)
-      self.backend.inbox(wid).put({"group_id": gid, "prompt_index": index,
-                             "problem": self.prompts[index], "group_size": self.r.group_size,
-                             "seed": seed_of(self.c.seed, 13, self.ctl.admitted)})
-
-  def _drop_group(self, gid, index, reason, requeue: bool, rollouts=()):
-    for rollout in rollouts:
-      for seg in rollout:
-        self.ledger.write(seg.id, "trajectory", "dropped", reason=reason, group=gid)
-    self.ledger.write(gid, "group", "dropped", reason=reason, prompt_index=index)
-    self.counts[f"dropped_{reason}"] += 1
-    if requeue:
-      self.ctl.requeue.append(index)
-
-  def _on_group(self, wid, epoch, res):
-    gid = res["group_id"]
-    if not self.monitor.accepts(wid, epoch) or gid not in self.in_flight:
-      self.counts["fenced_results"] += 1         # a fenced worker's late result: refused
-      return
-    index, _ = self.in_flight.pop(gid)
-    self.router.release(gid)
-    rollouts = res["rollouts"]
-    for rollout in rollouts:
-      for seg in rollout:               # storage: its tokens and its routing records' bytes
-        self.ledger.write(seg.id, "trajectory", "finished", status=seg.status, group=gid,
-                          reward=seg.reward, tokens=seg.length,
-                          routing_bytes=traj_lib.routing_bytes(seg))
-    self.ledger.write(gid, "group", "finished", prompt_index=index)
-    statuses = collections.Counter(ro[0].status for ro in rollouts)
-    for s, n in statuses.items():
-      self.counts[f"status_{s}"] += n
-    filled = groups_lib.refill(rollouts, self.ctl.rng)
-    kept_ids = {seg.id for ro in (filled or []) for seg in ro}
-    for rollout in rollouts:                    # invalid rollouts leave here
-      for seg in rollout:
-        if seg.id not in kept_ids:
-          self.ledger.write(seg.id, "trajectory", "dropped",
-                            reason=seg.status if seg.status != "ok" else "refill_failed",
-                            group=gid)
-    if filled is None:
-      self.ledger.write(gid, "group", "dropped", reason="refill_failed", prompt_index=index)
-      self.counts["dropped_refill_failed"] += 1
-      return
-    for ro in filled:
-      for seg in ro:
-        if seg.copy_of is not None:
-          self.counts["refill_copies"] += 1
-          self.ledger.write(seg.id, "trajectory", "finished", status=seg.status, group=gid,
-                            copy_of=seg.copy_of)
-    self.ready.append(Group(gid, index, filled, wid))
-
-  def _on_message(self, msg):
-    kind, wid, epoch, payload = msg
-    if kind == "beat":
-      if self.monitor.accepts(wid, epoch):
-        self.monitor.beat(wid, epoch)
-        self.worker_stats[(wid, epoch)] = payload     # every incarnation's counters
-    elif kind == "group":
-      self._on_group(wid, epoch, payload)
-    elif kind == "error":
-      if self.monitor.accepts(wid, epoch):
-        logging.error("[rl_async] worker %d (epoch %d) failed:\n%s", wid, epoch, payload)
-        self._restart(wid, "worker_error")
-    else:
-      raise ValueError(f"unknown worker message {kind!r}")
-
-  def _restart(self, wid: int, reason: str):
-    """Fences worker wid, re-queues its in-flight groups, starts it again (new epoch)."""
-    self.epochs[wid] = self.monitor.fence(wid)
-    lost = [g for g, (_, w) in self.in_flight.items() if w == wid]
-    for gid in lost:
-      index, _ = self.in_flight.pop(gid)
-      self.router.release(gid)
-      self._drop_group(gid, index, "worker_dead", requeue=True)
-    self.counts["worker_restarts"] += 1
-    logging.warning("[rl_async] worker %d %s: fenced, %d groups re-queued, restarted at "
-                    "epoch %d", wid, reason, len(lost), self.epochs[wid])
-    self.backend.restart(wid, self.epochs[wid])   # it pulls the latest version first
-
-  def _pump(self, timeout: float):
-    """Admits work, handles worker messages for up to `timeout` s, restarts dead workers."""
-    self._admit()
-    if self.kill_at is not None and self.clock() >= self.kill_at:
-      logging.warning("[rl_async] fault injection: killing worker 0")
-      self.backend.kill(0)
-      self.kill_at = None
-    deadline = self.clock() + timeout
-    while True:
-      try:
-        msg = self.backend.outbox.get(timeout=max(0.0, min(0.02, deadline - self.clock())))
-      except queue.Empty:
-        msg = None
-      if msg is not None:
-        self._on_message(msg)
-        continue                  # drain first: beats queued while the trainer was busy
-      for wid in self.monitor.dead():
-        self._restart(wid, "silent")
-      if self.clock() >= deadline:
-        return
-
-  # ------------------------------------------------------------------ training
-  def _take(self) -> list[Group] | None:
-    """groups_per_update ready groups that pass the staleness rules, oldest first."""
-    keep = []
-    for g in self.ready:
-      segs = [s for ro in g.rollouts for s in ro]
-      if staleness.from_future(segs, self.ctl.version):
-        self._drop_group(g.group_id, g.prompt_index, "future_version", requeue=True,
-                         rollouts=g.rollouts)
-      elif staleness.stale(segs, self.ctl.version, self.r.tau):
-        self._drop_group(g.group_id, g.prompt_index, "stale", requeue=True,
-                         rollouts=g.rollouts)
-      else:
-        keep.append(g)
-    self.ready = keep
-    if len(keep) < self.r.groups_per_update:
-      return None
-    taken, self.ready = keep[:self.r.groups_per_update], keep[self.r.groups_per_update:]
-    return taken
-
 
 def run(c, workdir: str, *, clock=time.monotonic) -> dict | None:
   """Runs asynchronous agentic RL until `c.total_steps` updates (resuming from `workdir`).
@@ -748,9 +462,3 @@ def run(c, workdir: str, *, clock=time.monotonic) -> dict | None:
   return loop.run(c, workdir, AsyncTrainer(c, workdir, clock=clock))
 
 
-def read_control(workdir: str, update: int) -> dict:
-  """The control state saved with checkpoint `update` of an asynchronous run (item
-  "control": counters, prompt cursor, the prompts to re-admit first)."""
-  with ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "checkpoints"),
-                             item_handlers={"control": ocp.JsonCheckpointHandler()}) as m:
-    return m.restore(update, args=ocp.args.Composite(control=ocp.args.JsonRestore()))["control"]

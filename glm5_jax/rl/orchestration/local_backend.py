@@ -14,8 +14,9 @@ worker has its own inbox (the orchestrator routes requests to a replica,
 worker id and epoch).
 
 `kill` makes `should_stop()` true: the loop ends at its next check and the heartbeats stop
-(a local worker is "killed" by stopping both). A thread cannot be interrupted, so a worker busy with a request may still put that result on the outbox; it
-carries the old epoch and the orchestrator's heartbeat monitor refuses it (fencing).
+(a local worker is "killed" by stopping both). A thread cannot be interrupted, so a worker
+busy with a request may still put that result on the outbox; it carries the old epoch and
+the orchestrator's heartbeat monitor refuses it (fencing).
 `restart` builds a new worker from the same spec at the new epoch, with a fresh inbox: what
 the old inbox held is the dead worker's in-flight work, which the orchestrator re-queues.
 """

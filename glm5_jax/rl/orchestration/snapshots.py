@@ -61,16 +61,15 @@ import os
 import re
 import shutil
 import time
-import urllib.parse
 import uuid
 
 import jax
 import numpy as np
 import tensorstore as ts
 
+from glm5_jax.rl.orchestration import snapshot_layout as layout
 from glm5_jax.rl.orchestration import weights as weights_lib
 from glm5_jax.rl.orchestration.weights import CorruptSnapshotError
-from glm5_jax.rl.orchestration.weights import _as_bytes
 from glm5_jax.rl.orchestration.weights import _check_version
 from glm5_jax.rl.orchestration.weights import _dtype
 from glm5_jax.rl.orchestration.weights import _key_name
@@ -86,79 +85,6 @@ class VersionNotFoundError(LookupError):
   """A version that is not on disk, or was pruned while it was being read."""
 
 
-# ------------------------------------------------------------------ layout
-def _name(path) -> str:
-  return "/".join(path) or "<root>"
-
-
-def _leaf_dir(path) -> str:
-  """leaves/<key path>, each component %-escaped (dots too: no '..' or hidden names)."""
-  parts = [urllib.parse.quote(p, safe="").replace(".", "%2E") for p in path]
-  return os.path.join("leaves", *(parts or ["%3Croot%3E"]))
-
-
-def _box(index, shape) -> tuple:
-  """A tuple of slices (a shard's or device's index) -> ((start, stop), ...)."""
-  return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
-
-
-def _slices(box) -> tuple:
-  return tuple(slice(a, b) for a, b in box)
-
-
-def _extent(box) -> tuple:
-  return tuple(b - a for a, b in box)
-
-
-def _chunk_shape(boxes, shape, name) -> tuple:
-  """The regular grid the distinct shard boxes form: their largest extent per dimension."""
-  chunk = tuple(max([1] + [b - a for (a, b) in dims]) for dims in zip(*boxes)) if shape else ()
-  for box in boxes:
-    for (a, b), c, n in zip(box, chunk, shape):
-      if a % c or b != min(a + c, n):
-        raise ValueError(f"ShardedWeights.publish: {name}'s shards {sorted(boxes)} do not "
-                         f"form a regular grid of {list(chunk)} blocks over {list(shape)}")
-  return chunk
-
-
-def _zarr_spec(path: str, shape, dtype, chunk) -> dict:
-  return {"driver": "zarr3", "kvstore": {"driver": "file", "path": path},
-          "fill_missing_data_reads": False,           # a missing chunk is an error, and
-          "store_data_equal_to_fill_value": True,     # an all-zero shard is still written
-          "metadata": {"shape": list(shape), "data_type": np.dtype(dtype).name,
-                       "chunk_grid": {"name": "regular",
-                                      "configuration": {"chunk_shape": list(chunk)}},
-                       "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}]}}
-
-
-def _chunk_file(leaf_dir: str, box, chunk) -> str:
-  """The zarr3 default chunk key of the chunk starting at `box`'s corner."""
-  return os.path.join(leaf_dir, "c", *(str(a // c) for (a, _), c in zip(box, chunk)))
-
-
-def _sha256(a: np.ndarray) -> str:
-  return hashlib.sha256(_as_bytes(a)).hexdigest()
-
-
-def _write_json(path: str, obj) -> bytes:
-  """Writes JSON under a temporary name, fsyncs, renames it into place; returns the bytes."""
-  blob = json.dumps(obj).encode()
-  tmp = f"{path}.{uuid.uuid4().hex}.tmp"
-  with open(tmp, "wb") as f:
-    f.write(blob)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
-  return blob
-
-
-def _remove(path: str) -> None:
-  try:
-    os.remove(path)
-  except FileNotFoundError:
-    pass
-
-
 # ------------------------------------------------------------------ writer side
 def _writer_processes(leaves) -> list[int]:
   procs = {d.process_index for x in leaves if isinstance(x, jax.Array)
@@ -170,8 +96,8 @@ def _leaf_plan(leaf, primary: bool):
   """(shape, dtype, distinct boxes, [(box, shard getter)] this process writes)."""
   if isinstance(leaf, jax.Array):
     shape = tuple(leaf.shape)
-    boxes = {_box(i, shape) for i in leaf.sharding.devices_indices_map(shape).values()}
-    mine = [(_box(s.index, shape), s) for s in leaf.addressable_shards if s.replica_id == 0]
+    boxes = {layout.box(i, shape) for i in leaf.sharding.devices_indices_map(shape).values()}
+    mine = [(layout.box(s.index, shape), s) for s in leaf.addressable_shards if s.replica_id == 0]
     return shape, np.dtype(leaf.dtype), boxes, [(b, lambda s=s: np.asarray(s.data))
                                                  for b, s in mine]
   a = np.asarray(leaf)                         # a host leaf: one shard, the primary's
@@ -193,7 +119,7 @@ def _check_manifests(manifests, own, partial):
              for s in m["leaves"][i]["shards"]]
     if len(boxes) != len(set(boxes)) or set(boxes) != leaf["boxes"]:
       raise ValueError(f"ShardedWeights.publish: the writers' shards of "
-                       f"{_name(leaf['path'])} do not tile it exactly once (written "
+                       f"{layout.name(leaf['path'])} do not tile it exactly once (written "
                        f"{sorted(boxes)}, expected {sorted(leaf['boxes'])})")
 
 
@@ -259,12 +185,12 @@ class ShardedWeights:
     os.makedirs(partial, exist_ok=True)
     manifest = os.path.join(partial, f"manifest.p{me:05d}.json")
     for stale in (manifest, os.path.join(partial, f"ABORT.p{me:05d}")):
-      _remove(stale)                            # of an earlier attempt at this version
+      layout.remove(stale)                            # of an earlier attempt at this version
     try:
       leaves, nbytes, nshards = self._write_leaves(items, paths, partial, primary)
-      _write_json(manifest, {"version": version, "process": me, "writers": writers,
-                             "leaves": [{k: v for k, v in x.items() if k != "boxes"}
-                                        for x in leaves]})
+      layout.write_json(manifest, {"version": version, "process": me, "writers": writers,
+                                   "leaves": [{k: v for k, v in x.items() if k != "boxes"}
+                                              for x in leaves]})
       if primary:
         self._commit(version, writers, leaves, partial)
         self._prune(version)
@@ -272,8 +198,8 @@ class ShardedWeights:
         self._await_commit(version, partial)
     except BaseException as e:
       if os.path.isdir(partial):
-        _write_json(os.path.join(partial, f"ABORT.p{me:05d}"),
-                    {"process": me, "error": f"{type(e).__name__}: {e}"})
+        layout.write_json(os.path.join(partial, f"ABORT.p{me:05d}"),
+                          {"process": me, "error": f"{type(e).__name__}: {e}"})
       raise
     self.last_push = {"push_bytes": float(nbytes), "push_s": time.perf_counter() - t0,
                       "push_shards": float(nshards)}
@@ -284,21 +210,21 @@ class ShardedWeights:
     ctx, out, nbytes, nshards = ts.Context(), [], 0, 0
     for path, (_, leaf) in zip(paths, items):
       shape, dtype, boxes, mine = _leaf_plan(leaf, primary)
-      chunk = _chunk_shape(boxes, shape, _name(path))
-      spec = _zarr_spec(os.path.join(partial, _leaf_dir(path)), shape, dtype, chunk)
+      chunk = layout.chunk_shape(boxes, shape, layout.name(path))
+      spec = layout.zarr_spec(os.path.join(partial, layout.leaf_dir(path)), shape, dtype, chunk)
       mode = dict(create=True, open=True) if primary else dict(open=True, assume_metadata=True)
       arr = ts.open(spec, context=ctx, **mode).result()
       host = [(box, get()) for box, get in mine]
-      futures = [arr[_slices(box)].write(a, can_reference_source_data_indefinitely=True)
+      futures = [arr[layout.slices(box)].write(a, can_reference_source_data_indefinitely=True)
                  for box, a in host if a.size]         # no copy: `host` outlives the writes
       for f in futures:
         f.result()
       shards = [{"index": [list(b) for b in box], "shape": list(a.shape), "nbytes": a.nbytes,
-                 "sha256": _sha256(a)} for box, a in host]
+                 "sha256": layout.sha256(a)} for box, a in host]
       nbytes, nshards = nbytes + sum(a.nbytes for _, a in host), nshards + len(host)
       del host, futures
       out.append({"path": list(path), "shape": list(shape), "dtype": dtype.name,
-                  "chunk": list(chunk), "dir": _leaf_dir(path), "shards": shards,
+                  "chunk": list(chunk), "dir": layout.leaf_dir(path), "shards": shards,
                   "boxes": {tuple(map(tuple, b)) for b in boxes}})
     return out, nbytes, nshards
 
@@ -328,10 +254,10 @@ class ShardedWeights:
     blobs = {p: open(os.path.join(partial, n), "rb").read() for p, n in names.items()}
     manifests = {p: json.loads(b) for p, b in blobs.items()}
     _check_manifests(manifests, own, partial)
-    _write_json(os.path.join(partial, COMMIT),
-                {"version": version, "writers": writers, "leaves": len(own),
-                 "manifests": {names[p]: hashlib.sha256(b).hexdigest()
-                               for p, b in blobs.items()}})
+    layout.write_json(os.path.join(partial, COMMIT),
+                      {"version": version, "writers": writers, "leaves": len(own),
+                       "manifests": {names[p]: hashlib.sha256(b).hexdigest()
+                                     for p, b in blobs.items()}})
     os.rename(partial, self.path(version))      # atomic: the version appears whole
     fd = os.open(self.directory, os.O_RDONLY)
     try:
@@ -472,7 +398,7 @@ class ShardedWeights:
         out.append(leaf.read(tuple((0, n) for n in shape)))
       else:
         out.append(jax.make_array_from_callback(
-            shape, sharding, lambda index, leaf=leaf: leaf.read(_box(index, shape))))
+            shape, sharding, lambda index, leaf=leaf: leaf.read(layout.box(index, shape))))
       nbytes, nshards = nbytes + leaf.nbytes, nshards + leaf.nshards
       del leaf                                   # its verified writer shards go with it
     if template is None:
@@ -487,12 +413,13 @@ def _check_template(leaves, want, version):
     missing = sorted(set(leaves) - got)
     extra = sorted(got - set(leaves))
     raise ValueError(f"ShardedWeights: version {version}'s key paths differ from the "
-                     f"template's (missing from the template {[_name(p) for p in missing[:5]]}"
-                     f", not in the snapshot {[_name(p) for p in extra[:5]]})")
+                     f"template's (missing from the template "
+                     f"{[layout.name(p) for p in missing[:5]]}, not in the snapshot "
+                     f"{[layout.name(p) for p in extra[:5]]})")
   for path, shape, dtype, _ in want:
     x = leaves[path]
     if tuple(x["shape"]) != shape or _dtype(x["dtype"]) != dtype:
-      raise ValueError(f"ShardedWeights: {_name(path)} is {x['dtype']}{x['shape']} in "
+      raise ValueError(f"ShardedWeights: {layout.name(path)} is {x['dtype']}{x['shape']} in "
                        f"version {version}, the template's is {dtype}{list(shape)}")
 
 
@@ -501,35 +428,35 @@ class _LeafReader:
 
   def __init__(self, entry, root, ctx):
     self.entry, self.root = entry, root
-    self.name, self.shape = _name(entry["path"]), tuple(entry["shape"])
+    self.name, self.shape = layout.name(entry["path"]), tuple(entry["shape"])
     self.dtype, self.chunk = _dtype(entry["dtype"]), tuple(entry["chunk"])
     self.dir = os.path.join(root, entry["dir"])
-    self.arr = ts.open(_zarr_spec(self.dir, self.shape, self.dtype, self.chunk), context=ctx,
-                       open=True, assume_metadata=True).result()
+    self.arr = ts.open(layout.zarr_spec(self.dir, self.shape, self.dtype, self.chunk),
+                       context=ctx, open=True, assume_metadata=True).result()
     self.cache, self.nbytes, self.nshards = {}, 0, 0
 
   def _corrupt(self, shard, why):
     box = tuple(map(tuple, shard["index"]))
     return CorruptSnapshotError(
-        f"ShardedWeights: {_chunk_file(self.dir, box, self.chunk)} (leaf {self.name}, shard "
+        f"ShardedWeights: {layout.chunk_file(self.dir, box, self.chunk)} (leaf {self.name}, shard "
         f"{[list(b) for b in box]}, {shard['manifest']}): {why}")
 
   def _shard(self, shard) -> np.ndarray:
     box = tuple(map(tuple, shard["index"]))
     if box not in self.cache:
-      if list(_extent(box)) != shard["shape"] or shard.get("nbytes") != \
+      if list(layout.extent(box)) != shard["shape"] or shard.get("nbytes") != \
           int(np.prod(shard["shape"])) * self.dtype.itemsize:
         raise self._corrupt(shard, f"the manifest's shape {shard['shape']} / bytes "
                             f"{shard.get('nbytes')} do not match the slice")
       try:
-        a = self.arr[_slices(box)].read().result() if np.prod(_extent(box)) else \
-            np.zeros(_extent(box), self.dtype)
+        a = self.arr[layout.slices(box)].read().result() if np.prod(layout.extent(box)) else \
+            np.zeros(layout.extent(box), self.dtype)
       except ValueError as e:                    # tensorstore: missing or truncated chunk
         raise self._corrupt(shard, f"unreadable ({e})") from None
-      if a.shape != _extent(box) or a.dtype != self.dtype:
+      if a.shape != layout.extent(box) or a.dtype != self.dtype:
         raise self._corrupt(shard, f"read {a.dtype}{list(a.shape)}, expected "
                             f"{self.dtype}{shard['shape']}")
-      if _sha256(a) != shard["sha256"]:
+      if layout.sha256(a) != shard["sha256"]:
         raise self._corrupt(shard, "sha256 mismatch (corrupted bytes)")
       self.cache[box] = a
       self.nbytes, self.nshards = self.nbytes + a.nbytes, self.nshards + 1
@@ -544,13 +471,13 @@ class _LeafReader:
         overlaps.append((s, cut))
     if len(overlaps) == 1 and tuple(map(tuple, overlaps[0][0]["index"])) == box:
       return self._shard(overlaps[0][0])         # aligned: the writer's shard itself
-    out = np.empty(_extent(box), self.dtype)
+    out = np.empty(layout.extent(box), self.dtype)
     covered = 0
     for s, cut in overlaps:
       src = tuple(slice(a - c, b - c) for (a, b), (c, _) in zip(cut, s["index"]))
       dst = tuple(slice(a - c, b - c) for (a, b), (c, _) in zip(cut, box))
       out[dst] = self._shard(s)[src]
-      covered += int(np.prod(_extent(cut)))
+      covered += int(np.prod(layout.extent(cut)))
     if covered != out.size:
       raise CorruptSnapshotError(
           f"ShardedWeights: {self.dir} (leaf {self.name}): the manifests' shards cover "
