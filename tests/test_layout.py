@@ -92,7 +92,8 @@ FORBIDDEN = [
     ("glm5_jax.rl.algorithm", "glm5_jax.rl.envs"),
     ("glm5_jax.rl.algorithm", "glm5_jax.rl.orchestration"),
     ("glm5_jax.rl.envs", "glm5_jax.rl.orchestration"),
-    ("glm5_jax", "glm5_jax.rl.sandbox"),            # the old path, kept for users only
+    ("glm5_jax", "glm5_jax.rl.sandbox"),            # former paths, kept for users only
+    ("glm5_jax", "glm5_jax.rl.losses"),
     ("glm5_jax", "experiments"),                    # entry points call the library
     ("glm5_jax", "configs"),
     ("glm5_jax", "tests"),
@@ -123,7 +124,7 @@ def test_the_kernels_are_reached_only_through_dsa(graph):
 
 
 RL_LEVELS = ("algorithm", "envs", "orchestration")
-RL_REEXPORTS = ("sandbox",)        # former paths of moved modules
+RL_REEXPORTS = ("losses", "sandbox")   # former paths of moved modules
 
 
 def test_every_rl_module_sits_in_a_level(graph):
@@ -131,3 +132,18 @@ def test_every_rl_module_sits_in_a_level(graph):
                  and m.split(".")[2] not in RL_LEVELS + RL_REEXPORTS)
   assert loose == []
 
+
+def test_former_import_paths_reach_the_moved_code():
+  """Modules moved in the layout keep their former import paths as re-exports."""
+  import importlib  # pylint: disable=g-import-not-at-top
+  li = "pallas_kernels.lightning_indexer"
+  same = [("glm5_jax.rl.sandbox", "run_python", "glm5_jax.rl.envs.sandbox"),
+          ("glm5_jax.rl.losses", "icepop_grpo_loss", "glm5_jax.policy_losses"),
+          ("glm5_jax.hf", "load_pretrained", "glm5_jax.hf_load"),
+          ("glm5_jax.hf", "save_pretrained", "glm5_jax.hf_save"),
+          ("glm5_jax.train.checkpoint", "load_model", "glm5_jax.convert"),
+          (li, "index_scores", f"{li}.xla"), (li, "deterministic_topk", f"{li}.xla"),
+          (li, "topk_indices", f"{li}.api")]
+  for old, name, new in same:
+    assert getattr(importlib.import_module(old), name) is getattr(importlib.import_module(new),
+                                                                   name), (old, name)

@@ -6,10 +6,11 @@ glm5_jax/policy_losses.py, with the policy's forward of glm5_jax/policy.py). Thr
 imports pointing down only (tests/test_layout.py):
 
   orchestration/   the loops and the system around them: `grpo` (synchronous GRPO, reasoning
-       |           RL), `async_loop` (fully asynchronous agentic RL, docs/agentic_rl.md),
-       |           `rollout_worker`, `routing`, `staleness`, `ledger`, `heartbeat`, `weights`
-       |           and `snapshots` (pushes), `local_backend` / `ray_backend` /
-       |           `distributed_backend`
+       |           RL), `async_loop` (fully asynchronous agentic RL, docs/agentic_rl.md) with
+       |           `group_stream` (admission, worker messages, restarts) and `control` (its
+       |           checkpointed counters), `rollout_worker`, `routing`, `staleness`, `ledger`,
+       |           `heartbeat`, `weights` and `snapshots` (pushes; `snapshot_layout`),
+       |           `backends`: `local_backend` / `ray_backend` / `distributed_backend`
        v
   envs/            what a policy acts in: `tasks/` (problems and verifiers), `rewards`,
        |           `rollout` (single-turn samples), `agent` (multi-turn episodes), `context`,
@@ -20,5 +21,5 @@ imports pointing down only (tests/test_layout.py):
                    advantages), `batches` (trainer batches), `consistency` (train/rollout
                    mismatch), `seeds`
 
-`glm5_jax.rl.sandbox` re-exports `envs.sandbox`.
+`glm5_jax.rl.sandbox` re-exports `envs.sandbox`, `glm5_jax.rl.losses` `glm5_jax.policy_losses`.
 """
