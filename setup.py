@@ -35,8 +35,8 @@ setup(
         # matching this jax, for TPU topologies described on a CPU host; Triton and its
         # ptxas, for the GPU kernels at sm_90.
         "aot": ["jax[tpu]>=0.10.2,<0.11", "triton>=3.9"],
-        # backend="ray" of the async RL loop (glm5_jax/rl/ray_backend.py): plain `ray` starts a
-        # local cluster and runtime_env env_vars; `ray[default]` (dashboard) is not needed.
+        # backend="ray" of the async RL loop (glm5_jax/rl/orchestration/ray_backend.py): plain `ray`
+        # starts a local cluster and runtime_env env_vars; `ray[default]` (dashboard) is not needed.
         "ray": ["ray>=2.40"],
     },
 )

@@ -58,8 +58,8 @@ def get_config(arg=None):
   r.rl.max_new_tokens = 32                 # a worked 2-digit answer is about 22 tokens
   r.rl.eval_every = 50
   r.rl.checkpoint_every = 50
-  # Then the fully asynchronous loop (GLM-5 §3; glm5_jax/rl/async_loop.py) on the same task
-  # from GRPO's weights: one rollout worker on its own CPU device streams groups, the trainer
+  # Then the fully asynchronous loop (GLM-5 §3; glm5_jax/rl/orchestration/async_loop.py) on the same
+  # task from GRPO's weights: one rollout worker on its own CPU device streams groups, the trainer
   # consumes N per update with staleness <= tau, the double-sided IS loss.
   a = rl_async.get_config(f"task={task},runlocal=True")
   c.post.rl_async = a

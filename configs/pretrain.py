@@ -135,7 +135,7 @@ def get_config(arg=None):
 MUON_ABLATION = dict(stage="pretrain", total_steps=240, batch_size=8, seq_len=128,
                      warmup_steps=20, log_every=20, eval_every=20, eval_batches=8,
                      checkpoint_every=240)
-# The main job's pretraining stage (configs/main_job.py, glm5_jax/train/stages.py).
+# The main job's pretraining stage (configs/main_job.py, experiments/main_job_stages.py).
 MAIN_JOB_PRETRAIN = dict(stage="pretrain", total_steps=300, batch_size=8, seq_len=256,
                          warmup_steps=20, log_every=20, eval_every=100, eval_batches=8,
                          checkpoint_every=300)

@@ -3,7 +3,7 @@ r"""Reasoning RL (synchronous GRPO + IcePop): `--config=configs/rl.py:task=arith
   python -m experiments.rl --config=configs/rl.py:task=arith,runlocal=True \
       --config.init_from=WORKDIR_OF_SFT --workdir=/tmp/rl
 
-Arguments: task=<registered task> (glm5_jax.rl.tasks), runlocal=True shrinks the run for a
+Arguments: task=<registered task> (glm5_jax.rl.envs.tasks), runlocal=True shrinks the run for a
 laptop CPU. The GLM-5 paper's values where it states them (§3: G = 32, IcePop beta = 2,
 eps 0.2 / 0.28, no std normalization as slime's GLM-5 gate); the rest are ours.
 """
@@ -13,7 +13,7 @@ import dataclasses
 import ml_collections
 
 from configs import common
-from glm5_jax.rl import tasks
+from glm5_jax.rl.envs import tasks
 
 
 def get_config(arg=None):

@@ -3,7 +3,7 @@ r"""Asynchronous agentic RL (GLM-5 §3): `--config=configs/rl_async.py:task=tool
   python -m experiments.rl_async --config=configs/rl_async.py:task=tool_calc,runlocal=True \
       --config.init_from=WORKDIR_OF_TOOL_SFT --workdir=/tmp/rl_async
 
-Arguments: task=<registered task> (glm5_jax.rl.tasks; the tool tasks are multi-turn),
+Arguments: task=<registered task> (glm5_jax.rl.envs.tasks; the tool tasks are multi-turn),
 backend=local|ray|distributed, runlocal=True shrinks the run for a laptop CPU. The paper's values where
 it states them (§3: direct double-sided IS, eps 0.2 / 0.28, optimizer reset at each push);
 the rest are ours. `total_steps` counts optimizer updates.
@@ -14,7 +14,7 @@ import dataclasses
 import ml_collections
 
 from configs import common
-from glm5_jax.rl import tasks
+from glm5_jax.rl.envs import tasks
 
 
 def get_config(arg=None):
@@ -47,8 +47,9 @@ def get_config(arg=None):
                                           # processes 1..workers (process 0 trains; every
                                           # process runs the same command)
       "ray_cpus_per_worker": 1,           # Ray actors' num_cpus
-      # How backend=ray / distributed pushes weights (async_loop.SNAPSHOT_STORES): "sharded": each
-      # process writes / reads only its own shards (rl/snapshots.py); "file": one file.
+      # How backend=ray / distributed pushes weights (backends.SNAPSHOT_STORES): "sharded": each
+      # process writes / reads only its own shards (rl/orchestration/snapshots.py); "file": one
+      # file.
       "snapshots": "sharded",
       "task": a.task,
       "task_options": ml_collections.ConfigDict(dataclasses.asdict(tasks.get(a.task).config)),
@@ -61,8 +62,8 @@ def get_config(arg=None):
       "eps_high": 0.28,
       "temperature": 1.0,
       "workers": 2,                       # rollout workers (data-parallel replicas)
-      # Where the replicas run (glm5_jax/rl/weights.py): "disaggregated": each on its own
-      # rollout_devices devices after the trainer's (round robin when there are too few),
+      # Where the replicas run (glm5_jax/rl/orchestration/weights.py): "disaggregated": each on its
+      # own rollout_devices devices after the trainer's (round robin when there are too few),
       # under rollout_mesh, a push a device-to-device reshard leaf by leaf; "colocated": on
       # the trainer's own mesh, serving its arrays (a push is a version bump).
       "placement": "disaggregated",

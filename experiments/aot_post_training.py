@@ -35,8 +35,8 @@ beside the parameters and the measured temporaries).
 published v5p bandwidths (BANDWIDTH), for three placements: colocated (the engine serves the
 trainer's arrays: a version bump, 0 bytes); disaggregated in one slice over ICI (every
 leaf resharded device to device, `Engine.update_params`); across slices over DCN (a sharded
-snapshot, `rl/snapshots.py`: trainer hosts write their replica-0 shards, rollout hosts read
-their slices, after the commit: write time + read time; storage bandwidth not modelled).
+snapshot, `rl/orchestration/snapshots.py`: trainer hosts write their replica-0 shards, rollout hosts
+read their slices, after the commit: write time + read time; storage bandwidth not modelled).
 
 `--compile=False` gives only the bytes computed from the shardings. libtpu admits one
 process at a time. The flags shared with experiments/aot_train_memory.py (`--topology`,
@@ -439,8 +439,8 @@ def push_row(topology, devices, trainer_sizes, rollout_sizes, *, num_layers, tra
               total_recv / (cut * ici_one_way_per_link()))
   write = host_bytes(pushed, "write")
   read = host_bytes(rollout, "read")
-  # A snapshot is committed whole before any reader opens it (rl/snapshots.py: COMMIT is
-  # written last), so the slowest writer host and the slowest reader host add up.
+  # A snapshot is committed whole before any reader opens it (rl/orchestration/snapshots.py: COMMIT
+  # is written last), so the slowest writer host and the slowest reader host add up.
   write_s = max(write.values()) / dcn_per_host()
   read_s = max(read.values()) / dcn_per_host()
   return dict(

@@ -3,7 +3,7 @@ r"""Synchronous vs asynchronous agentic RL: wall-clock to reach the same reward,
   python -m experiments.bench_async --init_from=/tmp/toolrl/sft --updates=12 \
       --out=docs/bench_async_cpu.json
 
-Both modes are the same loop (glm5_jax/rl/async_loop.py) on the same model, task and
+Both modes are the same loop (glm5_jax/rl/orchestration/async_loop.py) on the same model, task and
 simulated environment, every tool call sleeping a log-normal latency (median 0.2 s,
 sigma 1.5: a heavy tail, as real agent environments have):
   sync   tau = 0 and at most N groups in flight: the trainer's update waits for all N groups
@@ -48,7 +48,7 @@ import jax
 import numpy as np
 
 from configs import rl_async
-from glm5_jax.rl import async_loop
+from glm5_jax.rl.orchestration import async_loop
 from glm5_jax.train import metrics as metrics_lib
 
 _INIT = flags.DEFINE_string("init_from", None, "SFT workdir of the tool task", required=True)

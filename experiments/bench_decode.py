@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from glm5_jax import config as config_lib
+from glm5_jax import convert
 from glm5_jax import nn as gnn
 from glm5_jax import timing
 from glm5_jax.evals import mtp_acceptance
@@ -58,7 +59,6 @@ from glm5_jax.inference import roofline
 from glm5_jax.inference import steps
 from glm5_jax.nn import kv_cache
 from glm5_jax.nn import layer_stack
-from glm5_jax.train import checkpoint as train_checkpoint
 
 SECTIONS = ("continuous", "prefix", "hf", "speculative", "bf16", "contexts", "floor")
 _SECTIONS = flags.DEFINE_list("sections", list(SECTIONS), f"any of {SECTIONS}")
@@ -86,7 +86,7 @@ _OUT = flags.DEFINE_string("out", "bench_decode.json", "JSON output path")
 
 def _model():
   if _CHECKPOINT.value:
-    cfg, params = train_checkpoint.load_model(_CHECKPOINT.value)
+    cfg, params = convert.load_model(_CHECKPOINT.value)
     return cfg, params, _CHECKPOINT.value
   cfg = config_lib.get_preset("tiny")
   return cfg, gnn.init_params(cfg, 0), "random tiny"

@@ -4,7 +4,8 @@ r"""RL benchmarks on N (fake) devices: sharded GRPO steps, weight pushes, the as
 
 Three parts (`--parts`), each a ratio measured in this one run on this machine:
 
-  grpo   GRPO steps (`glm5_jax.rl.grpo.run`, random weights, the arithmetic task) on one
+  grpo   GRPO steps (`glm5_jax.rl.orchestration.grpo.run`, random weights, the arithmetic task) on
+  one
          device and under each mesh of `--meshes` over all devices: per step rollout,
          recompute and update seconds (medians over `--steps` steps after the first, which
          compiles), rollout and trainer tokens/s, and the mesh's step time over one device's.
@@ -13,7 +14,8 @@ Three parts (`--parts`), each a ratio measured in this one run on this machine:
          leaf (`weights.DeviceWeights` + `Engine.update_params`), against the host round trip
          (`weights.InProcessWeights`: publish copies every leaf to numpy, the replica pulls
          and places them), medians of `--repeats`.
-  async  the asynchronous loop (`glm5_jax.rl.async_loop.run`) with the trainer on the first
+  async  the asynchronous loop (`glm5_jax.rl.orchestration.async_loop.run`) with the trainer on the
+  first
          half of the devices and two rollout replicas on the rest: updates per second after
          the first update, and the train/rollout |dlogp| it measured.
 
@@ -42,12 +44,12 @@ from configs import rl as rl_config
 from configs import rl_async as rl_async_config
 from glm5_jax import config as config_lib
 from glm5_jax import nn as gnn
+from glm5_jax import orbax_io
 from glm5_jax import sharding as shd
 from glm5_jax.inference import Engine
-from glm5_jax.rl import async_loop
-from glm5_jax.rl import grpo
-from glm5_jax.rl import weights as weights_lib
-from glm5_jax.train import checkpoint as ckpt_lib
+from glm5_jax.rl.orchestration import async_loop
+from glm5_jax.rl.orchestration import grpo
+from glm5_jax.rl.orchestration import weights as weights_lib
 from glm5_jax.train import metrics as metrics_lib
 
 _PRESETS = flags.DEFINE_list("presets", ["tiny"], "model presets")
@@ -70,7 +72,7 @@ def _mesh(text: str) -> dict:
 
 def _init_dir(preset: str) -> str:
   cfg = config_lib.get_preset(preset)
-  return ckpt_lib.save_params(tempfile.mkdtemp(), cfg, gnn.init_params(cfg, 0))
+  return orbax_io.save_params(tempfile.mkdtemp(), cfg, gnn.init_params(cfg, 0))
 
 
 def grpo_rows(preset: str, init: str) -> list[dict]:

@@ -4,8 +4,8 @@ r"""A weight push between two processes through ShardedWeights: bytes, seconds, 
 
 Two local processes under jax.distributed (gloo), 4 fake CPU devices each. Process 0 holds
 a float32 tree (`--leaf_mib`, 1 GiB by default, the largest leaf 256 MiB) sharded over its
-4 devices (rows or columns) and publishes it (glm5_jax/rl/snapshots.py); process 1, which
-takes no part in the publish, reads it onto its own 4 devices as a 2 x 2 mesh, so every
+4 devices (rows or columns) and publishes it (glm5_jax/rl/orchestration/snapshots.py); process 1,
+which takes no part in the publish, reads it onto its own 4 devices as a 2 x 2 mesh, so every
 device slice cuts across the writer's shards, and checks every value. Each process's peak
 resident memory over its operation is measured against its RSS just before it (freed
 memory trimmed first; glm5_jax/memory.py: the kernel's high-water mark, reset through
@@ -64,7 +64,7 @@ def _child(pid: int, port: int, directory: str, leaf_mib) -> None:
   from jax.sharding import Mesh, NamedSharding  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   from glm5_jax import memory  # pylint: disable=g-import-not-at-top
-  from glm5_jax.rl import snapshots  # pylint: disable=g-import-not-at-top
+  from glm5_jax.rl.orchestration import snapshots  # pylint: disable=g-import-not-at-top
 
   shapes = {f"layer_{k}/w": (int(float(m) * MIB) // 4 // _COLS, _COLS)
             for k, m in enumerate(leaf_mib)}

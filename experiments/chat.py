@@ -4,7 +4,7 @@ r"""Chat with a model on stdin, with tool calls (calculator, python sandbox, sea
   printf '17*23?\n/reset\nhi\n' | python -m experiments.chat --checkpoint=... --temperature=0
 
 One user message per line (`/reset` forgets the conversation, `/quit` ends); prints the
-model's turns, its tool calls and their results (glm5_jax/rl/chat_session.py). The
+model's turns, its tool calls and their results (glm5_jax/rl/envs/chat_session.py). The
 conversation is in GLM's chat format, byte-level tokens (glm5_jax/data/chat.py). A line
 that is not UTF-8 is reported on stderr and skipped.
 
@@ -22,12 +22,12 @@ import sys
 from absl import app
 from absl import flags
 
+from glm5_jax import convert
 from glm5_jax.data import chat
 from glm5_jax.inference import Engine
 from glm5_jax.inference import SamplingParams
-from glm5_jax.rl import chat_session
-from glm5_jax.rl import tools
-from glm5_jax.train import checkpoint as train_checkpoint
+from glm5_jax.rl.envs import chat_session
+from glm5_jax.rl.envs import tools
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "pretraining / RL workdir or Hugging "
                                   "Face glm_moe_dsa directory", required=True)
@@ -60,7 +60,7 @@ def _check_flags() -> None:
 def _load():
   """(engine, tokenizer, sampling) from the flags."""
   try:
-    cfg, params = train_checkpoint.load_model(_CHECKPOINT.value, what="--checkpoint")
+    cfg, params = convert.load_model(_CHECKPOINT.value, what="--checkpoint")
   except (FileNotFoundError, ValueError) as e:
     raise SystemExit(f"error: {e}") from None
   tok = chat.get_chat_tokenizer(_TOKENIZER.value)

@@ -15,6 +15,8 @@ import os
 from absl import app
 from absl import flags
 
+from experiments import long_context_report as report
+from glm5_jax import convert
 from glm5_jax.evals import long_context
 from glm5_jax.train import checkpoint
 
@@ -46,7 +48,7 @@ _OUT = flags.DEFINE_string("out", "", "output directory ('' = --workdir)")
 
 
 def _evaluate(workdir: str) -> dict:
-  cfg, params = checkpoint.load_model(workdir)
+  cfg, params = convert.load_model(workdir)
   return long_context.evaluate(
       cfg.replace(attention_type=_ATTENTION.value), params, os.path.expanduser(_DATA_DIR.value),
       edges=[int(b) for b in _BUCKETS.value], windows=[int(w) for w in _WINDOWS.value],
@@ -72,8 +74,8 @@ def main(argv):
   os.makedirs(out, exist_ok=True)
   with open(os.path.join(out, "long_context.json"), "w") as f:
     json.dump(results, f, indent=2)
-  long_context.plot(results, os.path.join(out, "long_context.png"))
-  print(long_context.format_tables(results))
+  report.plot(results, os.path.join(out, "long_context.png"))
+  print(report.format_tables(results))
   print(f"wrote {os.path.join(out, 'long_context.json')} and long_context.png")
 
 

@@ -26,11 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from glm5_jax import convert
 from glm5_jax import nn as gnn
 from glm5_jax.evals import mtp_acceptance
 from glm5_jax.inference import Engine
 from glm5_jax.inference import SamplingParams
-from glm5_jax.train import checkpoint as ckpt_lib
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "workdir or HF directory (with MTP)",
                                   required=True)
@@ -42,7 +42,7 @@ _OUT = flags.DEFINE_string("out", "mtp_acceptance.json", "JSON output path")
 
 def main(argv):
   del argv
-  cfg, params = ckpt_lib.load_model(_CHECKPOINT.value)
+  cfg, params = convert.load_model(_CHECKPOINT.value)
   if not cfg.has_mtp:
     raise ValueError(f"--checkpoint={_CHECKPOINT.value}: the model has no MTP layer "
                      "(num_nextn_predict_layers=0)")

@@ -22,14 +22,14 @@ from absl import flags
 import numpy as np
 
 from configs import common
+from glm5_jax import convert
 from glm5_jax.data import chat
 from glm5_jax.data import tokenizers
 from glm5_jax.inference import Engine
 from glm5_jax.inference import SamplingParams
-from glm5_jax.rl import rewards
-from glm5_jax.rl import rollout
-from glm5_jax.rl import tasks
-from glm5_jax.train import checkpoint as ckpt_lib
+from glm5_jax.rl.envs import rewards
+from glm5_jax.rl.envs import rollout
+from glm5_jax.rl.envs import tasks
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "workdir or HF directory", required=True)
 _TASK = flags.DEFINE_string("task", "arith", f"one of {tasks.names()}")
@@ -60,7 +60,7 @@ def main(argv):
   defaults = dataclasses.asdict(tasks.get(_TASK.value).config)
   task = tasks.get(_TASK.value, **common.parse_arg(_OPTIONS.value, **defaults).to_dict())
   try:
-    cfg, params = ckpt_lib.load_model(_CHECKPOINT.value, what="checkpoint")
+    cfg, params = convert.load_model(_CHECKPOINT.value, what="checkpoint")
   except (FileNotFoundError, ValueError) as e:
     raise SystemExit(f"error: {e}") from None
   tok = tokenizers.ByteTokenizer()

@@ -31,7 +31,7 @@ import numpy as np
 
 from configs import main_job as main_job_config
 from experiments import main_job_stages
-from glm5_jax.rl import grpo
+from glm5_jax.rl.orchestration import grpo
 from glm5_jax.train import metrics as metrics_lib
 
 _INIT = flags.DEFINE_string("init_from", None, "the SFT workdir GRPO starts from", required=True)

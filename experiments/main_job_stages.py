@@ -5,10 +5,10 @@ Each stage runs in its own sub-workdir and starts from the previous stage's para
 (`init_from`). A dense continuation of the pretrained model for as many steps as the sparse
 adaptation is the baseline of our small-scale "DSA ~ MLA" comparison (GLM-5 paper §2, DSA
 table). Post-training (§3) writes SFT conversations for `post.task`, fine-tunes on them
-(`stage="sft"`) and runs synchronous GRPO on the same task (`glm5_jax.rl.grpo`), measuring
-held-out accuracy (greedy) after SFT and after GRPO; then `post.rl_async` continues from
-GRPO's weights on the fully asynchronous loop (`glm5_jax.rl.async_loop`, a rollout worker on
-its own device). A stage already finished is read back, not run again.
+(`stage="sft"`) and runs synchronous GRPO on the same task (`glm5_jax.rl.orchestration.grpo`),
+measuring held-out accuracy (greedy) after SFT and after GRPO; then `post.rl_async` continues from
+GRPO's weights on the fully asynchronous loop (`glm5_jax.rl.orchestration.async_loop`, a rollout
+worker on its own device). A stage already finished is read back, not run again.
 
 Preemption (train/preemption.py): SIGTERM (or Ctrl-C) stops the running stage at a checkpoint and ends
 the job (exit 0) before any later stage; the rerun resumes that stage and continues, so the
@@ -25,9 +25,9 @@ from absl import logging
 
 from experiments import main_job_report as report
 from glm5_jax.data import corpus
-from glm5_jax.rl import async_loop
-from glm5_jax.rl import grpo
-from glm5_jax.rl import tasks
+from glm5_jax.rl.envs import tasks
+from glm5_jax.rl.orchestration import async_loop
+from glm5_jax.rl.orchestration import grpo
 from glm5_jax.train import loop
 from glm5_jax.train import metrics as metrics_lib
 from glm5_jax.train import workdir as workdir_lib

@@ -3,10 +3,10 @@ r"""Held-out success vs update of asynchronous RL runs, and their summary table.
   python -m experiments.plot_rl_runs --workdirs=/tmp/rl/s0,/tmp/rl/s1,/tmp/rl/s2 \
       --labels="seed 0,seed 1,seed 2" --out=docs/agentic_rl_success.png
 
-Reads each workdir's `metrics.jsonl` (written by `glm5_jax.rl.async_loop.run`) and
-`rollouts.jsonl` (`glm5_jax.rl.ledger.audit`), prints a Markdown table (post-SFT and final
-held-out success, updates, wall time, train/rollout consistency, staleness, trainer idle ratio,
-drops, ledger problems) and draws held-out success per update (docs/agentic_rl_results.md).
+Reads each workdir's `metrics.jsonl` (written by `glm5_jax.rl.orchestration.async_loop.run`) and
+`rollouts.jsonl` (`glm5_jax.rl.orchestration.ledger.audit`), prints a Markdown table (post-SFT and
+final held-out success, updates, wall time, train/rollout consistency, staleness, trainer idle
+ratio, drops, ledger problems) and draws held-out success per update (docs/agentic_rl_results.md).
 """
 
 import os
@@ -18,7 +18,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-from glm5_jax.rl import ledger as ledger_lib  # pylint: disable=wrong-import-position
+from glm5_jax.rl.orchestration import ledger as ledger_lib  # pylint: disable=wrong-import-position
 from glm5_jax.train import metrics as metrics_lib  # pylint: disable=wrong-import-position
 
 _WORKDIRS = flags.DEFINE_list("workdirs", None, "async RL workdirs", required=True)

@@ -49,14 +49,14 @@ import numpy as np
 
 from configs import main_job as main_job_config
 from experiments import main_job_stages
+from glm5_jax import convert
 from glm5_jax import quant
 from glm5_jax.data import chat
 from glm5_jax.inference import Engine
 from glm5_jax.inference import SamplingParams
-from glm5_jax.rl import grpo
-from glm5_jax.rl import rollout as rollout_lib
-from glm5_jax.rl import tasks as tasks_lib
-from glm5_jax.train import checkpoint as ckpt_lib
+from glm5_jax.rl.envs import rewards as rewards_lib
+from glm5_jax.rl.envs import rollout as rollout_lib
+from glm5_jax.rl.envs import tasks as tasks_lib
 from glm5_jax.train import loop
 from glm5_jax.train import step as step_lib
 
@@ -115,7 +115,7 @@ def heldout_loss(sc, cfg, params, scheme) -> float:
 
 def heldout(engine, c) -> dict:
   r = main_job_stages.rl_config(c, c.post.rl, "").rl          # the GRPO stage's task
-  task, reward_fn = grpo.task_and_reward(r)
+  task, reward_fn = rewards_lib.task_and_reward(r)
   tok = chat.get_chat_tokenizer(c.data.tokenizer)
   problems = tasks_lib.heldout_problems(task, r, 0)          # one held-out set for every run
   return rollout_lib.heldout_accuracy(engine, task, reward_fn, problems, tok,
@@ -161,7 +161,7 @@ def main(argv):
       logging.info("=== SFT seed %d, %s -> %s", seed, run, wd)
       c, sc = sft(seed, qat, wd, os.path.join(_WORKDIR.value, "float", f"seed{seed}")
                   if run.startswith("ft") else "")
-      cfg, params = ckpt_lib.load_model(wd)
+      cfg, params = convert.load_model(wd)
       cfg = cfg.replace(attention_type="sparse")
       cache_path = os.path.join(wd, "qat_sft_evals.json")    # a rerun reads them back
       cache = json.load(open(cache_path)) if os.path.exists(cache_path) else {}

@@ -16,7 +16,7 @@ from absl import flags
 
 from experiments import cli
 
-from glm5_jax.rl import grpo
+from glm5_jax.rl.orchestration import grpo
 
 _CONFIG = cli.define_config("configs/rl.py", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory (checkpoints, metrics)",

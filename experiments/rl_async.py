@@ -1,4 +1,4 @@
-r"""Asynchronous agentic RL entry point (GLM-5 §3; glm5_jax/rl/async_loop.py).
+r"""Asynchronous agentic RL entry point (GLM-5 §3; glm5_jax/rl/orchestration/async_loop.py).
 
   python -m experiments.rl_async --config=configs/rl_async.py:task=tool_calc,runlocal=True \
       --config.init_from=/tmp/tool_sft --workdir=/tmp/rl_async
@@ -8,7 +8,8 @@ On CPU the rollout workers and the trainer get separate devices: set
 SIGTERM checkpoints and exits 0; the same command resumes.
 
 Trainer and rollout workers as processes of one jax.distributed cluster (process 0 trains,
-process i + 1 serves worker i; glm5_jax/rl/distributed_backend.py), here two local ones:
+process i + 1 serves worker i; glm5_jax/rl/orchestration/distributed_backend.py), here two local
+ones:
 
   for I in 0 1; do python -m experiments.rl_async --devices=1 \
       --config=configs/rl_async.py:task=tool_calc,backend=distributed,runlocal=True \
@@ -35,7 +36,7 @@ from absl import flags
 
 from experiments import cli
 
-from glm5_jax.rl import async_loop
+from glm5_jax.rl.orchestration import async_loop
 
 _CONFIG = cli.define_config("configs/rl_async.py", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory (checkpoints, metrics, ledger)",
@@ -47,7 +48,7 @@ flags.DEFINE_integer("devices", 3, "XLA:CPU devices (trainer + workers); read be
 def main(argv):
   del argv
   if _CONFIG.value.rl.backend == "ray":
-    from glm5_jax.rl import ray_backend
+    from glm5_jax.rl.orchestration import ray_backend
     ray_backend.init()             # before JAX's runtime starts (Ray forks)
   async_loop.run(_CONFIG.value, _WORKDIR.value)
 

@@ -18,9 +18,9 @@ from absl import app
 from absl import flags
 
 from glm5_jax import config as config_lib
-from glm5_jax.data import tokenizers
-from glm5_jax.train import checkpoint as train_checkpoint
+from glm5_jax import convert
 from glm5_jax import nn as gnn
+from glm5_jax.data import tokenizers
 from glm5_jax.inference import Engine
 from glm5_jax.inference import SamplingParams
 
@@ -43,7 +43,7 @@ def load(checkpoint, preset):
   if checkpoint is None:
     cfg = config_lib.get_preset(preset)
     return cfg, gnn.init_params(cfg, 0)
-  return train_checkpoint.load_model(checkpoint, what="checkpoint")
+  return convert.load_model(checkpoint, what="checkpoint")
 
 
 def parse_prompt_ids(values: list[str]) -> list[int]:

@@ -42,8 +42,8 @@ from glm5_jax import timing
 from pallas_kernels import lightning_indexer
 from pallas_kernels import roofline
 from pallas_kernels.lightning_indexer import gpu as indexer_gpu
-from pallas_kernels.lightning_indexer import reference as indexer_reference
 from pallas_kernels.lightning_indexer import selection_gpu
+from pallas_kernels.lightning_indexer import xla as indexer_xla
 from pallas_kernels.sparse_attention import gpu as sparse_gpu
 from pallas_kernels.sparse_attention import kernel as sparse_kernel
 
@@ -162,7 +162,7 @@ def configs_and_fns(kernel, shape, t, ops, chunk, interpret):
   bq, bk = min(indexer_gpu.DEFAULT_BLOCK_Q, t), min(indexer_gpu.DEFAULT_BLOCK_K, t)
   scores = jax.jit(lambda q0, q, k, w: indexer_gpu.index_scores_chunk(
       q0, q, k, w, block_q=bq, block_k=bk, interpret=interpret))(q0, q_bjcd, ki, wi)
-  limit = indexer_reference.causal_limit(t, t)
+  limit = indexer_xla.causal_limit(t, t)
   if kernel == "indexer_select":
     for block, bits, warps in dict.fromkeys((min(b, t), r, w) for b, r, w in INDEXER_SELECT):
       if t % block:
@@ -183,8 +183,8 @@ def xla_topk(scores_bts, *, topk, chunk):
   t = scores_bts.shape[1]
   n = t // chunk
   sc = scores_bts.reshape(1, n, chunk, t).swapaxes(0, 1)
-  lim = indexer_reference.causal_limit(t, t).reshape(n, chunk)
-  idx = jax.lax.map(lambda a: indexer_reference.deterministic_topk(a[0], a[1], topk), (sc, lim))
+  lim = indexer_xla.causal_limit(t, t).reshape(n, chunk)
+  idx = jax.lax.map(lambda a: indexer_xla.deterministic_topk(a[0], a[1], topk), (sc, lim))
   return idx.swapaxes(0, 1).reshape(1, t, topk)
 
 

@@ -17,7 +17,7 @@ from absl import app
 from absl import flags
 
 from configs import common
-from glm5_jax.rl import tasks
+from glm5_jax.rl.envs import tasks
 
 _TASK = flags.DEFINE_string("task", "arith", f"one of {tasks.names() + tasks.tool_names()}")
 _OPTIONS = flags.DEFINE_string("options", "", "task options, k=v,k=v (the task's Config fields)")

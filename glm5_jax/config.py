@@ -18,6 +18,7 @@ Presets (`get_preset(name)`):
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, Sequence
 
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -337,6 +338,22 @@ _PRESETS: dict[str, dict[str, Any]] = {
         num_experts_per_tok=2, first_k_dense_replace=1, max_position_embeddings=4096,
         rope_theta=10000.0, attention_chunk_size=64, **_BYTE_CHAT_TOKENS),
 }
+
+
+_HOW_NOT_WHAT = ("attention_type", "attention_impl", "attention_chunk_size", "remat", "dtype",
+                 "expert_dispatch", "moe_capacity_factor")  # how a model runs, not which
+                                                            # model it is
+
+
+def model_fields(cfg) -> dict:
+  """The ModelConfig fields that define the model (JSON-ready)."""
+  return json.loads(json.dumps({k: v for k, v in dataclasses.asdict(cfg).items()
+                                if k not in _HOW_NOT_WHAT}))
+
+
+def model_diff(old: dict, now: dict) -> dict:
+  """{field: (old, now)} where two `model_fields` differ."""
+  return {k: (old.get(k), now.get(k)) for k in set(old) | set(now) if old.get(k) != now.get(k)}
 
 
 def preset_names() -> Sequence[str]:

@@ -4,7 +4,10 @@
     workdir_to_hf(workdir, hf_dir, mesh=mesh)    # restored sharded, written tensor by tensor
     quantize_to_hf(hf_dir_or_workdir, int4_dir)  # INT4 HF checkpoint (glm5_jax/hf_int4.py)
 
-A workdir is what `glm5_jax/train/checkpoint.py` `save_params` writes
+    cfg, params = load_model(hf_dir_or_workdir)  # the mains' model, on the first device
+    params = load_params(path, cfg, shardings, mesh=mesh)   # into the trainer's shardings
+
+A workdir is what `glm5_jax/orbax_io.py` `save_params` writes
 (model_config.json + checkpoints/<step>/state holding {"params": ...}, orbax's
 tensorstore OCDBT format); `restore_sharded` restores its params onto any mesh,
 each process reading only its shards (docs/checkpoints.md).
@@ -17,13 +20,14 @@ import os
 
 import jax
 
+from glm5_jax import config as config_lib
 from glm5_jax import hf
 from glm5_jax import nn as gnn
+from glm5_jax import orbax_io
 from glm5_jax import quant
 from glm5_jax import sharding
 from glm5_jax.config import ModelConfig
 from glm5_jax.optim.param_groups import QUANT_TARGETS
-from glm5_jax.train import checkpoint
 from glm5_jax.train import workdir as workdir_lib
 
 
@@ -60,26 +64,26 @@ def hf_to_workdir(hf_dir: str, workdir: str, *, mesh=None, rules=None, step: int
                      "hf.load_pretrained(path, quantized=True))")
   with (workdir_lib.lock(workdir) if jax.process_index() == 0 else contextlib.nullcontext()):
     cfg, params = hf.load_pretrained(hf_dir, mesh=mesh, rules=rules, **config_overrides)
-    return checkpoint.save_params(workdir, cfg, params, step=step)
+    return orbax_io.save_params(workdir, cfg, params, step=step)
 
 
 def restore_sharded(workdir: str, mesh, rules=None) -> tuple[ModelConfig, dict]:
   """(ModelConfig, params) of a workdir's latest step, as global arrays sharded on `mesh`
-  (`checkpoint.restore_params`: a partial restore straight into the target shardings)."""
-  _, cfg = checkpoint.find_model_config(workdir)
+  (`orbax_io.restore_params`: a partial restore straight into the target shardings)."""
+  _, cfg = orbax_io.find_model_config(workdir)
   shapes, specs = gnn.abstract_params(cfg)
   shardings = sharding.param_shardings(specs, mesh, sharding.DEFAULT_RULES if rules is None
                                        else rules)
   target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         shapes, shardings)
-  return cfg, checkpoint.restore_params(workdir, target, what="--src")
+  return cfg, orbax_io.restore_params(workdir, target, what="--src")
 
 
 def workdir_to_hf(workdir: str, hf_dir: str, *, mesh=None, rules=None,
                   max_shard_bytes: int = 5 * 2**30) -> str:
   check_paths(workdir, hf_dir)
   if mesh is None:
-    cfg, params = checkpoint.load_model(workdir)
+    cfg, params = load_model(workdir)
   else:
     cfg, params = restore_sharded(workdir, mesh, rules)
   hf.save_pretrained(cfg, params, hf_dir, max_shard_bytes=max_shard_bytes)
@@ -88,6 +92,61 @@ def workdir_to_hf(workdir: str, hf_dir: str, *, mesh=None, rules=None,
 
 def is_hf_dir(path: str) -> bool:
   return os.path.exists(os.path.join(path, "config.json"))
+
+
+def model_config_of(path: str, what: str = "checkpoint"):
+  """The ModelConfig of a Hugging Face directory or a training workdir, without reading its
+  parameters; errors name `what`."""
+  try:
+    if is_hf_dir(path):
+      return hf.read_config(path)
+    return orbax_io.find_model_config(path)[1]
+  except (FileNotFoundError, ValueError) as e:
+    raise ValueError(f"{what}={path!r}: {e}") from None
+
+
+def load_params(path: str, cfg, shardings, *, mesh=None, rules=None,
+                what: str = "config.init_from", solo: bool = False):
+  """The parameters of a Hugging Face directory or a workdir's latest (or given) step, read
+  straight into `shardings` (a tree of NamedShardings for `cfg`'s parameters): each process
+  reads only the slices its devices hold. `cfg` must be the model `path` holds. `solo`:
+  this process alone reads (as in `manager`; a training workdir only)."""
+  if is_hf_dir(path):
+    if solo and jax.process_count() > 1:
+      raise ValueError(f"{what}={path!r}: a Hugging Face directory is read by every process "
+                       "of the cluster; a trainer alone in its cluster (config.rl.backend="
+                       "'distributed') starts from a training workdir: convert it first "
+                       "(python -m experiments.convert_checkpoint)")
+    int4 = hf.quantization(path)
+    if int4:
+      raise ValueError(f"{what}={path!r} is an INT4 checkpoint (config.json quantization_config: "
+                       f"{int4}), not float weights: start from the float checkpoint it was "
+                       "quantized from, or write a float copy (hf.load_pretrained(path, "
+                       "dequantize=True), then hf.save_pretrained)")
+    got, params = hf.load_pretrained(path, mesh=mesh, rules=rules)
+    diff = config_lib.model_diff(config_lib.model_fields(got), config_lib.model_fields(cfg))
+    if diff:
+      raise ValueError(f"{what}={path!r} holds another model (field: (there, here)): {diff}")
+    return jax.tree.map(lambda x, sh: jax.device_put(x, sh), params, shardings)
+  shapes, _ = gnn.abstract_params(cfg)
+  target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        shapes, shardings)
+  try:
+    return orbax_io.restore_params(path, target, what=what, solo=solo)
+  except FileNotFoundError as e:
+    raise ValueError(str(e)) from None
+
+
+def load_model(path: str, what: str = "checkpoint"):
+  """(ModelConfig, params) from a Hugging Face directory or a pretraining workdir.
+
+  A workdir (or one of its `checkpoints/<step>` dirs) gives its latest (or that)
+  step's params, placed on the first device.
+  """
+  cfg = model_config_of(path, what)
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  shapes, _ = gnn.abstract_params(cfg)
+  return cfg, load_params(path, cfg, jax.tree.map(lambda _: device, shapes), what=what)
 
 
 QUANTIZE_FORMATS = ("int4",)          # what an HF checkpoint stores quantized (hf_int4.py)
@@ -112,7 +171,7 @@ def quantize_to_hf(src: str, dst: str, *, quantize: str = "int4", targets: str =
   if is_hf_dir(src) and hf.quantization(src):
     raise ValueError(f"--src={src!r} is already quantized (config.json quantization_config: "
                      f"{hf.quantization(src)}); quantize the float checkpoint it came from")
-  cfg = checkpoint.model_config_of(src, "--src")
+  cfg = model_config_of(src, "--src")
   scheme = quant.Scheme(quantize, group_size, targets)
   try:
     quant.check_tree(gnn.abstract_params(cfg)[0], scheme)
@@ -122,7 +181,7 @@ def quantize_to_hf(src: str, dst: str, *, quantize: str = "int4", targets: str =
   if is_hf_dir(src):
     cfg, params = hf.load_pretrained(src, mesh=mesh, rules=rules)
   elif mesh is None:
-    cfg, params = checkpoint.load_model(src, what="--src")
+    cfg, params = load_model(src, what="--src")
   else:
     cfg, params = restore_sharded(src, mesh, rules)
   params = jax.jit(quant.quantize_tree, static_argnums=1)(params, scheme)

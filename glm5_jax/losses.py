@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from glm5_jax.padding import pad_to_multiple
 
 
 # --------------------------------------------------------------------------------------
@@ -24,13 +25,6 @@ def cross_entropy(logits_btv, targets_bt, mask_bt=None):
   mask = jnp.ones_like(nll) if mask_bt is None else mask_bt.astype(jnp.float32)
   n = jnp.sum(mask)
   return jnp.sum(nll * mask) / jnp.maximum(n, 1.0), n
-
-
-def _pad_seq(x, multiple, value=0):
-  """x padded along axis 1 to a multiple of `multiple`."""
-  widths = [(0, 0)] * x.ndim
-  widths[1] = (0, (-x.shape[1]) % multiple)
-  return jnp.pad(x, widths, constant_values=value)
 
 
 def chunked_cross_entropy(hidden_btd, head_dv, targets_bt, mask_bt=None, *, chunk_size=256):
@@ -49,7 +43,8 @@ def chunked_cross_entropy(hidden_btd, head_dv, targets_bt, mask_bt=None, *, chun
   mask = jnp.ones((b, t), jnp.float32) if mask_bt is None else mask_bt.astype(jnp.float32)
   # Chunk j holds positions j, j + n_chunks, ... (strided): a sequence sharded over devices
   # (context parallelism) stays sharded within every chunk instead of being gathered.
-  strided = lambda x: jnp.moveaxis(_pad_seq(x, c).reshape(b, c, n_chunks, *x.shape[2:]), 2, 0)
+  strided = lambda x: jnp.moveaxis(
+      pad_to_multiple(x, c).reshape(b, c, n_chunks, *x.shape[2:]), 2, 0)
   h_c, y_c, m_c = strided(hidden_btd), strided(targets_bt), strided(mask)
 
   @jax.checkpoint

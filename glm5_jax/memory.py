@@ -1,8 +1,8 @@
 """Resident memory of this process: the peak growth over a block of code.
 
 A weight push must not hold the whole tree twice in one process; `Peak` is how the trainer
-and the rollout workers measure it (rl/async_loop.py, rl/rollout_worker.py) and how
-experiments/bench_weight_push.py reports it:
+and the rollout workers measure it (rl/orchestration/async_loop.py,
+rl/orchestration/rollout_worker.py) and how experiments/bench_weight_push.py reports it:
 
   with memory.Peak() as p:
     store.publish(params, version)

@@ -23,13 +23,7 @@ import numpy as np
 from glm5_jax import nn as gnn
 from glm5_jax import sharding as shd
 from glm5_jax.nn import context_parallel as cp
-
-
-def _pad_seq(x, multiple):
-  pad = (-x.shape[1]) % multiple
-  if pad == 0:
-    return x
-  return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+from glm5_jax.padding import pad_to_multiple
 
 
 def token_logprobs(hidden_btd, head_dv, tokens_bt, *, chunk_size: int = 256):
@@ -43,8 +37,8 @@ def token_logprobs(hidden_btd, head_dv, tokens_bt, *, chunk_size: int = 256):
   h, y = hidden_btd[:, :-1], tokens_bt[:, 1:]
   c = max(1, min(chunk_size, t - 1))
   n = -(-(t - 1) // c)
-  h_c = _pad_seq(h, c).reshape(b, n, c, -1).swapaxes(0, 1)
-  y_c = _pad_seq(y, c).reshape(b, n, c).swapaxes(0, 1)
+  h_c = pad_to_multiple(h, c).reshape(b, n, c, -1).swapaxes(0, 1)
+  y_c = pad_to_multiple(y, c).reshape(b, n, c).swapaxes(0, 1)
 
   @jax.checkpoint
   def chunk(args):

@@ -1,4 +1,4 @@
-"""Pallas kernels for DeepSeek Sparse Attention (DSA), with jnp references.
+"""Pallas kernels for DeepSeek Sparse Attention (DSA), with their XLA (plain jnp) paths.
 
   lightning_indexer.topk_indices   indexer scores + deterministic causal top-k
   sparse_attention.sparse_mla      absorbed-MLA attention over gathered top-k rows

@@ -429,7 +429,7 @@ def test_render_observation_layout_and_bad_results(tok):
 
 
 # --------------------------------------------------------------------------------------
-# The interactive chat (rl/chat_session.py, experiments/chat.py): Ctrl-C, bad input, seeds
+# The interactive chat (rl/envs/chat_session.py, experiments/chat.py): Ctrl-C, bad input, seeds
 # --------------------------------------------------------------------------------------
 
 def _answer_ids(text: str) -> list[int]:
@@ -491,7 +491,7 @@ class _SteppingEngine:
 
 def _chat(engine, lines, interrupts, **kw):
   from glm5_jax.inference import SamplingParams  # pylint: disable=g-import-not-at-top
-  from glm5_jax.rl import chat_session  # pylint: disable=g-import-not-at-top
+  from glm5_jax.rl.envs import chat_session  # pylint: disable=g-import-not-at-top
   out, err = [], []
   sp = SamplingParams(max_new_tokens=8, seed=kw.pop("seed", 0))
   msgs = chat_session.run(engine, tokenizers.ByteTokenizer(), lines, sp, write=out.append,
@@ -501,7 +501,7 @@ def _chat(engine, lines, interrupts, **kw):
 
 def test_sigint_during_a_reply_cancels_it_between_engine_steps_and_the_chat_goes_on():
   import signal  # pylint: disable=g-import-not-at-top
-  from glm5_jax.rl import chat_session  # pylint: disable=g-import-not-at-top
+  from glm5_jax.rl.envs import chat_session  # pylint: disable=g-import-not-at-top
   interrupts = chat_session.Interrupts()
   engine = _SteppingEngine([_answer_ids("never"), _answer_ids("fine")],
                            on_step=lambda k: k == 2 and interrupts(signal.SIGINT, None))
@@ -514,7 +514,7 @@ def test_sigint_during_a_reply_cancels_it_between_engine_steps_and_the_chat_goes
 
 def test_sigint_in_the_step_that_finishes_the_turn_drops_the_turn():
   import signal  # pylint: disable=g-import-not-at-top
-  from glm5_jax.rl import chat_session  # pylint: disable=g-import-not-at-top
+  from glm5_jax.rl.envs import chat_session  # pylint: disable=g-import-not-at-top
   interrupts = chat_session.Interrupts()
   engine = _SteppingEngine([_answer_ids("never"), _answer_ids("fine")], steps=1,
                            on_step=lambda k: k == 1 and interrupts(signal.SIGINT, None))
@@ -525,7 +525,7 @@ def test_sigint_in_the_step_that_finishes_the_turn_drops_the_turn():
 
 def test_a_second_sigint_in_one_reply_quits_after_cancelling_it():
   import signal  # pylint: disable=g-import-not-at-top
-  from glm5_jax.rl import chat_session  # pylint: disable=g-import-not-at-top
+  from glm5_jax.rl.envs import chat_session  # pylint: disable=g-import-not-at-top
   interrupts = chat_session.Interrupts()
   twice = lambda k: [interrupts(signal.SIGINT, None) for _ in range(2)]
   engine = _SteppingEngine([_answer_ids("never")], on_step=twice)
@@ -539,7 +539,7 @@ def test_a_second_sigint_in_one_reply_quits_after_cancelling_it():
 
 
 def test_an_error_inside_a_turn_cancels_it_and_is_not_masked_by_end_session():
-  from glm5_jax.rl import chat_session  # pylint: disable=g-import-not-at-top
+  from glm5_jax.rl.envs import chat_session  # pylint: disable=g-import-not-at-top
 
   def fail(k):
     raise RuntimeError(f"step {k} failed")
@@ -551,7 +551,7 @@ def test_an_error_inside_a_turn_cancels_it_and_is_not_masked_by_end_session():
 
 
 def test_a_line_that_is_not_utf8_is_reported_and_skipped(rng):
-  from glm5_jax.rl import chat_session  # pylint: disable=g-import-not-at-top
+  from glm5_jax.rl.envs import chat_session  # pylint: disable=g-import-not-at-top
   junk = bytes(rng.integers(0, 256, 6, dtype=np.uint8))
   bad = b"ok " + bytes([0xff]) + junk + b"\n"
   engine = _SteppingEngine([_answer_ids("fine")])
@@ -562,7 +562,7 @@ def test_a_line_that_is_not_utf8_is_reported_and_skipped(rng):
 
 
 def test_each_model_turn_samples_with_its_own_seed(rng):
-  from glm5_jax.rl import chat_session  # pylint: disable=g-import-not-at-top
+  from glm5_jax.rl.envs import chat_session  # pylint: disable=g-import-not-at-top
   seed = int(rng.integers(-2**40, 2**40))
   seeds = [chat_session.turn_seed(seed, t) for t in range(64)]
   assert len(set(seeds)) == 64 and all(0 <= s < 2**31 for s in seeds)
@@ -585,7 +585,7 @@ def test_each_model_turn_samples_with_its_own_seed(rng):
 
 
 def test_max_turns_out_of_range_is_refused_naming_the_flag():
-  from glm5_jax.rl import chat_session  # pylint: disable=g-import-not-at-top
+  from glm5_jax.rl.envs import chat_session  # pylint: disable=g-import-not-at-top
   for bad in (0, -3, True, 1.5):
     with pytest.raises(ValueError, match=rf"--max_turns={bad!r}: expected an int >= 1"):
       chat_session.run(_SteppingEngine([]), tokenizers.ByteTokenizer(), [], None,
@@ -634,9 +634,9 @@ def test_cli_sigint_cancels_the_reply_then_quits_at_the_prompt(tmp_path, tiny_cf
   (their own seeds); Ctrl-C at the prompt exits 130. No segfault, no traceback."""
   import signal  # pylint: disable=g-import-not-at-top
   import time  # pylint: disable=g-import-not-at-top
-  from glm5_jax.train import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
+  from glm5_jax import orbax_io  # pylint: disable=g-import-not-at-top
   from tests import seeding  # pylint: disable=g-import-not-at-top
-  wd = ckpt_lib.save_params(str(tmp_path / "ckpt"), tiny_cfg, tiny_params)
+  wd = orbax_io.save_params(str(tmp_path / "ckpt"), tiny_cfg, tiny_params)
   err_path = tmp_path / "stderr"
   with open(err_path, "wb") as err_file:
     p = _cli(f"--checkpoint={wd}", "--tools=calculator", "--max_new_tokens=16",

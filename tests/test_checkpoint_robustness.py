@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from glm5_jax import orbax_io
 from glm5_jax.train import checkpoint as ckpt_lib
 from tests import test_train as tt
 from tests.test_preemption import data_dir  # pylint: disable=unused-import  (a fixture)
@@ -101,7 +102,7 @@ def test_restore_params_reads_params_only_into_the_target_sharding(two_steps):
   dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev),
                         states[2]["params"])
-  params = ckpt_lib.restore_params(workdir, target)
+  params = orbax_io.restore_params(workdir, target)
   assert set(params) == {"w"}
   np.testing.assert_array_equal(params["w"], states[2]["params"]["w"])
   assert params["w"].sharding == dev
@@ -111,7 +112,7 @@ def test_restore_params_of_a_corrupt_workdir_is_one_line_naming_it(two_steps):
   workdir, states = two_steps
   _truncate(_biggest_state_file(os.path.join(workdir, "checkpoints", "2")))
   with pytest.raises(ValueError, match=f"config.init_from='{workdir}': checkpoint unreadable") as e:
-    ckpt_lib.restore_params(workdir, _abstract(states[2]["params"]))
+    orbax_io.restore_params(workdir, _abstract(states[2]["params"]))
   assert "\n" not in str(e.value)
 
 
@@ -127,7 +128,7 @@ def test_every_state_file_truncated_is_one_line_not_a_crash(two_steps):
   for f in _all_state_files(os.path.join(workdir, "checkpoints", "2")):
     _truncate(f)
   with pytest.raises(ValueError, match=f"config.init_from='{workdir}': checkpoint unreadable") as e:
-    ckpt_lib.restore_params(workdir, _abstract(states[2]["params"]))
+    orbax_io.restore_params(workdir, _abstract(states[2]["params"]))
   assert "\n" not in str(e.value) and "tensorstore_spec" not in str(e.value)
 
 
@@ -138,8 +139,8 @@ def test_a_failed_reads_aftermath_is_dropped_and_nothing_else(monkeypatch):
   import logging as std_logging  # pylint: disable=g-import-not-at-top
   seen = []
   monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(str(u.exc_value)))
-  ckpt_lib._mute_aftermath()
-  ckpt_lib._mute_aftermath()                         # idempotent: one filter, one hook
+  orbax_io.mute_aftermath()
+  orbax_io.mute_aftermath()                         # idempotent: one filter, one hook
 
   class Unraisable:
     def __init__(self, exc):
@@ -153,7 +154,7 @@ def test_a_failed_reads_aftermath_is_dropped_and_nothing_else(monkeypatch):
   sys.unraisablehook(Unraisable(KeyError("tensorstore")))       # not a read's error
   assert seen == ["something else", "'tensorstore'"]
   log = std_logging.getLogger("asyncio")
-  assert sum(isinstance(f, ckpt_lib._DropAftermath) for f in log.filters) == 1
+  assert sum(isinstance(f, orbax_io._DropAftermath) for f in log.filters) == 1
   def record(exc):
     return std_logging.LogRecord("asyncio", 40, __file__, 1, "Task exception was never "
                                  "retrieved", None, (type(exc), exc, None))
@@ -249,15 +250,15 @@ def test_model_config_field_added_later_at_its_default_is_the_same_model(tmp_pat
   import json  # pylint: disable=g-import-not-at-top
   from glm5_jax import config as config_lib  # pylint: disable=g-import-not-at-top
   cfg = config_lib.get_preset("tiny")
-  saved = ckpt_lib.model_fields(cfg)
+  saved = config_lib.model_fields(cfg)
   field = next(f.name for f in dataclasses.fields(cfg) if f.name in saved
                and saved[f.name] == f.default)
   del saved[field]                                   # a workdir written before the field
   with open(tmp_path / "model_config.json", "w") as f:
     json.dump(saved, f)
-  ckpt_lib.check_model_config(str(tmp_path), cfg)
+  orbax_io.check_model_config(str(tmp_path), cfg)
   saved["hidden_size"] += 1
   with open(tmp_path / "model_config.json", "w") as f:
     json.dump(saved, f)
   with pytest.raises(ValueError, match="holds a run of a different model.*hidden_size"):
-    ckpt_lib.check_model_config(str(tmp_path), cfg)
+    orbax_io.check_model_config(str(tmp_path), cfg)

@@ -36,8 +36,7 @@ from glm5_jax import safetensors_io as sio
 from glm5_jax.inference import Engine
 from glm5_jax.inference import SamplingParams
 from glm5_jax.optim.param_groups import path_str
-from glm5_jax.rl import trajectory as traj_lib
-from glm5_jax.train import checkpoint as ckpt_lib
+from glm5_jax.rl.algorithm import trajectory as traj_lib
 from glm5_jax.train import step as step_lib
 from tests import fake_devices
 from tests import seeding
@@ -280,11 +279,11 @@ def test_an_int4_checkpoint_loaded_as_float_is_refused_by_name(int4_dirs, qat_ru
     hf.load_pretrained(path)
   with pytest.raises(ValueError, match=rf"checkpoint='{path}' is an INT4 checkpoint \(config\.json "
                      r"quantization_config: .*\), not float weights"):
-    ckpt_lib.load_model(path)
+    convert.load_model(path)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   shardings = jax.tree.map(lambda _: device, gnn.abstract_params(tiny_cfg)[0])
   with pytest.raises(ValueError, match=rf"config\.init_from='{path}' is an INT4 checkpoint"):
-    ckpt_lib.load_params(path, tiny_cfg, shardings)            # a training stage's init_from
+    convert.load_params(path, tiny_cfg, shardings)            # a training stage's init_from
   with pytest.raises(ValueError, match=r"quantized=True, but .*config\.json has no "
                      r"quantization_config \(a float checkpoint\)"):
     hf.load_pretrained(qat_run[3], quantized=True)

@@ -1,6 +1,6 @@
 """Lightning-indexer Pallas kernels (TPU and GPU lowerings, interpret mode) vs the reference.
 
-The selection must equal `topk_indices_reference` exactly: same keys, same
+The selection must equal `topk_indices_xla` exactly: same keys, same
 order (descending score, ties -> lower position), same -1 fill. Random float
 inputs have no ties within float32 rounding at these sizes; the tied-score
 tests use inputs whose scores are exact, so ties are real and only the
@@ -19,7 +19,7 @@ import pytest
 from pallas_kernels import lightning_indexer
 from pallas_kernels import testing
 from pallas_kernels.lightning_indexer import kernel
-from pallas_kernels.lightning_indexer import reference
+from pallas_kernels.lightning_indexer import xla
 
 # Smallest legal tiles per backend: TPU multiples of 8, GPU (Triton) powers of two >= 16.
 TILES = {"tpu": dict(block_q=8, block_k=8), "gpu": dict(block_q=16, block_k=16)}
@@ -33,7 +33,7 @@ def _kernel_topk(q, k, w, topk, backend, chunk_size=16, start=None, limit=None):
 
 
 def _reference_topk(q, k, w, topk, start=None, limit=None):
-  f = functools.partial(reference.topk_indices_reference, topk=topk, chunk_size=8)
+  f = functools.partial(xla.topk_indices_xla, topk=topk, chunk_size=8)
   return np.asarray(jax.jit(f)(q, k, w, start=start, limit=limit))
 
 
@@ -127,7 +127,7 @@ def test_bfloat16_inputs_match_reference(backend):
 def test_tied_scores_break_to_lower_position(backend):
   q, k, w = testing.tied_indexer_inputs(16, b=2, t=24, s=24, h_i=2, d_i=4)
   topk = 6
-  scores = np.asarray(jax.jit(reference.index_scores)(q, k, w))
+  scores = np.asarray(jax.jit(xla.index_scores)(q, k, w))
   # The inputs must really tie at the selection boundary, or this test proves nothing.
   tied_rows = 0
   for bi in range(2):
@@ -222,7 +222,7 @@ def test_causal_limit_passed_explicitly_equals_default(seed):
   b, t, s = 2, 13, 21
   q, k, w = testing.indexer_inputs(seed, b=b, t=t, s=s, h_i=2, d_i=16)
   want = _kernel_topk(q, k, w, 7, "tpu", chunk_size=8)
-  causal = reference.causal_limit(t, s)
+  causal = xla.causal_limit(t, s)
   np.testing.assert_array_equal(_kernel_topk(q, k, w, 7, "tpu", chunk_size=8, limit=causal),
                                 want)
   np.testing.assert_array_equal(

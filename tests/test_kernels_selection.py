@@ -1,6 +1,6 @@
 """The top-k selection kernels (TPU and GPU lowerings, interpret mode) vs deterministic_topk.
 
-The selection must be `reference.deterministic_topk`'s ordered list exactly: keys
+The selection must be `xla.deterministic_topk`'s ordered list exactly: keys
 start <= j <= limit, descending score in lax.top_k's total order (-0.0 below +0.0,
 +inf on top), equal scores in ascending position, NaN and -inf hidden, -1 after the
 last visible key. Each special case is one row of one kernel call per backend (a
@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 from pallas_kernels.lightning_indexer import kernel
-from pallas_kernels.lightning_indexer import reference
 from pallas_kernels.lightning_indexer import selection_gpu
 from pallas_kernels.lightning_indexer import selection_tpu
+from pallas_kernels.lightning_indexer import xla
 
 BACKENDS = ("tpu", "gpu")
 S, TOPK = 700, 40
@@ -109,15 +109,15 @@ def _check(special, name):
 
 
 def test_deterministic_topk_is_the_python_sort_on_every_special_row():
-  got = reference.deterministic_topk(jnp.asarray(SCORES), jnp.asarray(LIMIT), TOPK,
-                                     jnp.asarray(START))
+  got = xla.deterministic_topk(jnp.asarray(SCORES), jnp.asarray(LIMIT), TOPK,
+                               jnp.asarray(START))
   np.testing.assert_array_equal(np.asarray(got), _python_topk(SCORES, START, LIMIT, TOPK))
 
 
 def test_deterministic_topk_puts_no_minus_one_before_a_key():
   # A NaN ranks above +inf in lax.top_k; hidden, it must not leave -1 in slot 0.
   scores = jnp.asarray([[[np.nan, 1.0, np.nan, 3.0, -np.inf, 2.0]]], jnp.float32)
-  got = reference.deterministic_topk(scores, jnp.asarray([5]), 5)
+  got = xla.deterministic_topk(scores, jnp.asarray([5]), 5)
   np.testing.assert_array_equal(np.asarray(got)[0, 0], [3, 5, 1, -1, -1])
 
 
@@ -184,6 +184,6 @@ def test_random_scores_match_deterministic_topk(backend, rng):
   start = rng.integers(0, s // 4, (2, c)).astype(np.int32)
   limit = rng.integers(s // 2, s + 2, (2, c)).astype(np.int32)
   got = _select(backend, scores, start, limit, topk)
-  want = reference.deterministic_topk(jnp.asarray(scores), jnp.asarray(limit), topk,
-                                      jnp.asarray(start))
+  want = xla.deterministic_topk(jnp.asarray(scores), jnp.asarray(limit), topk,
+                                jnp.asarray(start))
   np.testing.assert_array_equal(got, np.asarray(want))

@@ -1,7 +1,7 @@
 """Sparse MLA Pallas kernels (TPU and GPU lowerings, interpret mode) vs the reference.
 
 Forward outputs and lse, and the gradients of q and kv (custom_vjp with Pallas
-backward kernels) against `jax.vjp` of `sparse_mla_reference`. Tolerances are
+backward kernels) against `jax.vjp` of `sparse_mla_xla`. Tolerances are
 normwise relative (max error / max magnitude): 1e-5 for float32, where the
 kernels differ from the reference only in summation order; 1e-2 for bfloat16,
 where they also round p and ds to bfloat16 at different points. Small slot
@@ -19,10 +19,10 @@ import pytest
 
 from pallas_kernels import sparse_attention
 from pallas_kernels import testing
-from pallas_kernels.lightning_indexer import reference as indexer_reference
+from pallas_kernels.lightning_indexer import xla as indexer_xla
 from pallas_kernels.sparse_attention import gpu
 from pallas_kernels.sparse_attention import kernel
-from pallas_kernels.sparse_attention import reference
+from pallas_kernels.sparse_attention import xla
 
 BLOCK_K = {"tpu": 8, "gpu": 16}
 BACKENDS = sorted(BLOCK_K)
@@ -35,12 +35,12 @@ def _kernel_fn(backend, v_dim, scale):
 
 
 def _reference_fn(v_dim, scale):
-  return jax.jit(functools.partial(reference.sparse_mla_reference, v_dim=v_dim, scale=scale,
+  return jax.jit(functools.partial(xla.sparse_mla_xla, v_dim=v_dim, scale=scale,
                                    chunk_size=4))
 
 
 def _indexer_topk(q, k, w, topk):
-  return jax.jit(indexer_reference.topk_indices_reference, static_argnums=3)(q, k, w, topk)
+  return jax.jit(indexer_xla.topk_indices_xla, static_argnums=3)(q, k, w, topk)
 
 
 def _check_forward(backend, q, kv, idx, v_dim, rel):
@@ -84,7 +84,7 @@ def test_forward_matches_dense_oracle(backend):
   idx = testing.unique_indices(4, 1, 4, 30, 11, p_empty=0.3)
   scale = 24 ** -0.5
   out, lse = jax.jit(_kernel_fn(backend, 16, scale))(q, kv, idx)
-  want_out, want_lse = reference.sparse_mla_dense_oracle(q, kv, idx, v_dim=16, scale=scale)
+  want_out, want_lse = xla.sparse_mla_dense_oracle(q, kv, idx, v_dim=16, scale=scale)
   testing.assert_rel_close(out, want_out, 1e-5, "out")
   testing.assert_rel_close(lse, want_lse, 1e-5, "lse")
 
@@ -184,7 +184,7 @@ def test_reference_kv_gradient_accumulates_in_float32():
   idx = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (1, 512, 16))
 
   def dkv(q, kv):
-    loss = lambda kv: jnp.sum(reference.sparse_mla_reference(
+    loss = lambda kv: jnp.sum(xla.sparse_mla_xla(
         q, kv, idx, v_dim=16, scale=0.2, chunk_size=32)[0].astype(jnp.float32))
     return jax.jit(jax.grad(loss))(kv)
 

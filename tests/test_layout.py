@@ -88,6 +88,12 @@ FORBIDDEN = [
     ("glm5_jax.losses", "pallas_kernels"),          # kernels are reached through nn/dsa.py
     ("glm5_jax.nn.moe_ep", "glm5_jax.nn.moe"),      # both use nn/ffn.py's expert kernels
     ("glm5_jax.train", "glm5_jax.rl"),              # RL builds on training, not the reverse
+    # RL in three levels (glm5_jax/rl/__init__.py): orchestration -> envs -> algorithm.
+    ("glm5_jax.rl.algorithm", "glm5_jax.rl.envs"),
+    ("glm5_jax.rl.algorithm", "glm5_jax.rl.orchestration"),
+    ("glm5_jax.rl.envs", "glm5_jax.rl.orchestration"),
+    ("glm5_jax", "glm5_jax.rl.sandbox"),            # former paths, kept for users only
+    ("glm5_jax", "glm5_jax.rl.losses"),
     ("glm5_jax", "experiments"),                    # entry points call the library
     ("glm5_jax", "configs"),
     ("glm5_jax", "tests"),
@@ -103,10 +109,11 @@ def test_imports_point_one_way(graph, importer, imported):
   assert bad == []
 
 
-def test_pallas_kernel_references_stay_inside_the_kernels(graph):
-  """The library reaches a kernel's pure-jnp reference only through the kernel package's API."""
+def test_the_kernels_xla_paths_are_reached_through_their_packages(graph):
+  """The library reaches a kernel's XLA path (`xla.py`, plain jnp) only through the kernel
+  package's API, never the module itself."""
   bad = sorted(f"{m} -> {d}" for m, deps in graph.items() if m.startswith("glm5_jax")
-               for d in deps if d.endswith(".reference") and d.startswith("pallas_kernels"))
+               for d in deps if d.startswith("pallas_kernels") and d.count(".") > 1)
   assert bad == []
 
 
@@ -114,3 +121,29 @@ def test_the_kernels_are_reached_only_through_dsa(graph):
   users = sorted(m for m, deps in graph.items() if m.startswith("glm5_jax")
                  and any(d.startswith("pallas_kernels") for d in deps))
   assert users == ["glm5_jax.nn.dsa"]
+
+
+RL_LEVELS = ("algorithm", "envs", "orchestration")
+RL_REEXPORTS = ("losses", "sandbox")   # former paths of moved modules
+
+
+def test_every_rl_module_sits_in_a_level(graph):
+  loose = sorted(m for m in graph if m.startswith("glm5_jax.rl.")
+                 and m.split(".")[2] not in RL_LEVELS + RL_REEXPORTS)
+  assert loose == []
+
+
+def test_former_import_paths_reach_the_moved_code():
+  """Modules moved in the layout keep their former import paths as re-exports."""
+  import importlib  # pylint: disable=g-import-not-at-top
+  li = "pallas_kernels.lightning_indexer"
+  same = [("glm5_jax.rl.sandbox", "run_python", "glm5_jax.rl.envs.sandbox"),
+          ("glm5_jax.rl.losses", "icepop_grpo_loss", "glm5_jax.policy_losses"),
+          ("glm5_jax.hf", "load_pretrained", "glm5_jax.hf_load"),
+          ("glm5_jax.hf", "save_pretrained", "glm5_jax.hf_save"),
+          ("glm5_jax.train.checkpoint", "load_model", "glm5_jax.convert"),
+          (li, "index_scores", f"{li}.xla"), (li, "deterministic_topk", f"{li}.xla"),
+          (li, "topk_indices", f"{li}.api")]
+  for old, name, new in same:
+    assert getattr(importlib.import_module(old), name) is getattr(importlib.import_module(new),
+                                                                   name), (old, name)

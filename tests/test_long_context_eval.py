@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from configs import pretrain as pretrain_config
+from experiments import long_context_report
 from glm5_jax.data import corpus
 from glm5_jax.data import passkey
 from glm5_jax.data import pipeline
@@ -184,8 +185,8 @@ def test_eval_end_to_end_on_a_random_tiny_model(tiny_cfg, tiny_params, data_dir,
   assert np.shape(pk["exact"]) == (1, 2) and np.shape(pk["digits"]) == (1, 2)
   assert np.all((np.asarray(pk["exact"]) >= 0) & (np.asarray(pk["digits"]) <= 1))
   results = {"before": res, "after": res}
-  table = long_context.format_tables(results)
+  table = long_context_report.format_tables(results)
   assert "[16, 64)" in table and "last 16 of each" in table
   assert "passkey exact match, after" in table
-  long_context.plot(results, str(tmp_path / "lc.png"))
+  long_context_report.plot(results, str(tmp_path / "lc.png"))
   assert os.path.getsize(tmp_path / "lc.png") > 0

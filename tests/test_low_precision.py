@@ -20,9 +20,8 @@ from glm5_jax.inference import SamplingParams
 from glm5_jax.nn import kv_cache
 from glm5_jax.nn import layer_stack
 from glm5_jax.nn import moe
-from glm5_jax.rl import async_loop
-from glm5_jax.rl import grpo
-from glm5_jax.rl import trajectory as traj_lib
+from glm5_jax.rl.algorithm import consistency
+from glm5_jax.rl.algorithm import trajectory as traj_lib
 from glm5_jax.train import checks
 
 # A group of two copies of the first prompt (as GRPO submits them): the second copy takes the
@@ -57,7 +56,7 @@ def _dev(batch, replay: bool):
 
 def _measure(fwd, params, batch, trajs, replay: bool):
   logp, _, topk, experts = fwd(params, _dev(batch, replay))
-  return grpo.consistency_metrics(batch, logp, topk, trajs, experts)
+  return consistency.consistency_metrics(batch, logp, topk, trajs, experts)
 
 
 def test_fp8_rollouts_open_a_measured_gap_and_routing_replay_closes_the_routing_one(tiny):
@@ -81,9 +80,9 @@ def test_fp8_rollouts_open_a_measured_gap_and_routing_replay_closes_the_routing_
   assert r["logp_abs_diff_max"] > 0          # what replay leaves: the FP8 weights themselves
   # The asynchronous loop's per-version measurement (positions whose next token version 0
   # sampled) sees the same: mismatches without replay, none with it.
-  a = async_loop.consistency(fwd, {0: params}, batch, trajs, _dev(batch, False))
+  a = consistency.per_version_metrics(fwd, {0: params}, batch, trajs, _dev(batch, False))
   assert a["routing_mismatches"] > 0 and 0 < a["routing_pairs"] < m["routing_pairs"]
-  a = async_loop.consistency(fwd, {0: params}, batch, trajs, _dev(batch, True))
+  a = consistency.per_version_metrics(fwd, {0: params}, batch, trajs, _dev(batch, True))
   assert a["routing_mismatches"] == 0 and a["routing_pairs"] > 0
 
 

@@ -38,7 +38,7 @@ def test_sparse_attention_equals_masked_expanded(rng, topk):
                               index_topk=topk, attention_chunk_size=3)
   x = {k: jnp.asarray(v, jnp.float32) for k, v in _mla_inputs(rng, t=9, s=9).items()}
   scores = jnp.asarray(rng.normal(size=(2, 9, 9)), jnp.float32)
-  from pallas_kernels.lightning_indexer import reference as ref
+  from pallas_kernels.lightning_indexer import xla as ref
   idx = ref.deterministic_topk(scores, ref.causal_limit(9, 9), topk)
   kv = jnp.concatenate([x["c_kv"], x["k_rope"]], -1)
   got = mla.mla_sparse_attention(cfg, x["q_nope"], x["q_rope"], kv, x["w_uk"], x["w_uv"], idx)

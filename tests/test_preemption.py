@@ -102,9 +102,9 @@ def data_dir(tmp_path_factory):
 @pytest.mark.slow
 def test_sigterm_in_grpo_checkpoints_exits_zero_and_resumes_exactly(tmp_path, monkeypatch):
   from tests import test_rl_grpo as trl  # pylint: disable=g-import-not-at-top
-  from glm5_jax.rl import grpo  # pylint: disable=g-import-not-at-top
+  from glm5_jax.rl.orchestration import grpo  # pylint: disable=g-import-not-at-top
   cfg = trl.config_lib.get_preset("tiny")
-  init_from = trl.ckpt_lib.save_params(str(tmp_path / "init"), cfg,
+  init_from = trl.orbax_io.save_params(str(tmp_path / "init"), cfg,
                                        trl.gnn.init_params(cfg, 0))
   c = trl._config(init_from, eval_every=1, checkpoint_every=3)
   c.total_steps = 4
@@ -145,10 +145,10 @@ def _grpo_cmd(workdir, init_from):
 @pytest.mark.slow
 def test_sigterm_to_one_of_two_grpo_processes_stops_both_at_one_step(tmp_path):
   from glm5_jax import config as config_lib, nn as gnn  # pylint: disable=g-import-not-at-top
-  from glm5_jax.train import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
+  from glm5_jax import orbax_io  # pylint: disable=g-import-not-at-top
   from tests import test_rl_grpo as trl  # pylint: disable=g-import-not-at-top
   cfg = config_lib.get_preset("tiny")
-  init = ckpt_lib.save_params(str(tmp_path / "init"), cfg, gnn.init_params(cfg, 0))
+  init = orbax_io.save_params(str(tmp_path / "init"), cfg, gnn.init_params(cfg, 0))
   run = lambda wd, **kw: _run_two(wd, None, cmd=_grpo_cmd(wd, init), **kw)
   for rc, err in run(tmp_path / "straight"):
     assert rc == 0, err[-3000:]

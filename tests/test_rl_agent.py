@@ -13,11 +13,11 @@ import pytest
 from glm5_jax.data import chat
 from glm5_jax.data import tokenizers
 from glm5_jax.inference import GenerationOutput
-from glm5_jax.rl import agent
-from glm5_jax.rl import context as context_lib
-from glm5_jax.rl import tasks
-from glm5_jax.rl import tools
-from glm5_jax.rl.context import ContextPolicy
+from glm5_jax.rl.envs import agent
+from glm5_jax.rl.envs import context as context_lib
+from glm5_jax.rl.envs import tasks
+from glm5_jax.rl.envs import tools
+from glm5_jax.rl.envs.context import ContextPolicy
 
 TOK = tokenizers.ByteTokenizer()
 CALC = tasks.get("tool_calc")
@@ -365,7 +365,7 @@ class _ScriptedEngine:
 
 
 def test_chat_reply_runs_tool_calls_and_continues_the_session():
-  from glm5_jax.rl import chat_session  # pylint: disable=g-import-not-at-top
+  from glm5_jax.rl.envs import chat_session  # pylint: disable=g-import-not-at-top
   engine = _ScriptedEngine([_turn_ids(_call("17*23")), _turn_ids(_answer("391")),
                             _turn_ids(_answer("bye"))])
   lines = []
@@ -385,7 +385,7 @@ def test_chat_reply_runs_tool_calls_and_continues_the_session():
 @pytest.mark.slow    # ~7 s of compilation (one-lane prefill) on top of the episodes test
 def test_chat_on_the_real_engine_prints_turns_and_forgets_failed_replies(tiny_engine):
   from glm5_jax.inference import SamplingParams  # pylint: disable=g-import-not-at-top
-  from glm5_jax.rl import chat_session  # pylint: disable=g-import-not-at-top
+  from glm5_jax.rl.envs import chat_session  # pylint: disable=g-import-not-at-top
   lines = []
   # The episodes test's shapes (prompt length, max_new_tokens): no new compilation.
   sp = SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=chat.stop_ids(TOK))
@@ -405,8 +405,8 @@ def test_chat_on_the_real_engine_prints_turns_and_forgets_failed_replies(tiny_en
 def test_chat_cli_reads_stdin_with_a_saved_checkpoint(tmp_path, tiny_cfg, tiny_params):
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
-  from glm5_jax.train import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
-  wd = ckpt_lib.save_params(str(tmp_path / "ckpt"), tiny_cfg, tiny_params)
+  from glm5_jax import orbax_io  # pylint: disable=g-import-not-at-top
+  wd = orbax_io.save_params(str(tmp_path / "ckpt"), tiny_cfg, tiny_params)
   run = subprocess.run(
       [sys.executable, "-m", "experiments.chat", f"--checkpoint={wd}", "--tools=calculator",
        "--max_new_tokens=6", "--max_len=128", "--temperature=0"],
@@ -436,8 +436,8 @@ class _BatchEngine:
 
 
 def test_heldout_accuracy_counts_answers_and_thinking_turns():
-  from glm5_jax.rl import rewards  # pylint: disable=g-import-not-at-top
-  from glm5_jax.rl import rollout  # pylint: disable=g-import-not-at-top
+  from glm5_jax.rl.envs import rewards  # pylint: disable=g-import-not-at-top
+  from glm5_jax.rl.envs import rollout  # pylint: disable=g-import-not-at-top
   arith = tasks.get("arith", min_digits=1, max_digits=2, ops="+")
   problems = arith.problems("heldout", 3, seed=0)
   worked = lambda p, answer: {"role": "assistant", "content": answer,

@@ -1,4 +1,5 @@
-"""The asynchronous agentic-RL loop end to end (glm5_jax/rl/async_loop.py), local and Ray.
+"""The asynchronous agentic-RL loop end to end (glm5_jax/rl/orchestration/async_loop.py), local and
+Ray.
 
 One tiny model from scratch on the calculator task: rewards are mostly 0, which is all the
 machinery needs. Checked on the run's own outputs: the ledger audits clean (every admitted id
@@ -22,9 +23,10 @@ import pytest
 from configs import rl_async
 from glm5_jax import config as config_lib
 from glm5_jax import nn as gnn
-from glm5_jax.rl import async_loop
-from glm5_jax.rl import ledger as ledger_lib
-from glm5_jax.train import checkpoint as ckpt_lib
+from glm5_jax import orbax_io
+from glm5_jax.rl.orchestration import async_loop
+from glm5_jax.rl.orchestration import control
+from glm5_jax.rl.orchestration import ledger as ledger_lib
 from glm5_jax.train import metrics as metrics_lib
 from glm5_jax.train import preemption
 
@@ -35,7 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def init_dir(tmp_path_factory):
   cfg = config_lib.get_preset("tiny")
   path = str(tmp_path_factory.mktemp("async_init"))
-  ckpt_lib.save_params(path, cfg, gnn.init_params(cfg, jax.random.PRNGKey(0)))
+  orbax_io.save_params(path, cfg, gnn.init_params(cfg, jax.random.PRNGKey(0)))
   return path
 
 
@@ -93,7 +95,7 @@ def test_local_loop_with_faults(init_dir, tmp_path):
   crashed = [e for e in events if e["event"] == "finished" and e.get("status") == "env_error"]
   assert crashed, "env_crash_rate=0.3 crashed nothing"
   assert copies and all(e["id"] != e["copy_of"] for e in copies)
-  ctl = async_loop.read_control(workdir, c.total_steps)
+  ctl = control.read_control(workdir, c.total_steps)
   assert ctl["update"] == c.total_steps and ctl["consumed"] == c.total_steps * 2
 
 
@@ -144,7 +146,7 @@ def test_sigterm_checkpoints_stops_and_the_rerun_finishes(init_dir, tmp_path):
   assert stopped.value.code == 0 and 1 <= stopped.value.step < c.total_steps
   events = ledger_lib.read(os.path.join(workdir, "rollouts.jsonl"))
   assert any(e.get("reason") == "shutdown" for e in events)
-  assert async_loop.read_control(workdir, stopped.value.step)["requeue"], (
+  assert control.read_control(workdir, stopped.value.step)["requeue"], (
       "the stopped run's in-flight prompts were not saved")
   async_loop.run(c, workdir)
   rows = _check_run(workdir, c)
@@ -215,7 +217,7 @@ def test_a_context_no_prompt_fits_is_refused_by_both_entry_points(init_dir, tmp_
   train on 0 tokens) and sync GRPO (whose engine would refuse them) both refuse it, before
   anything compiles, naming config.rl.max_len."""
   from configs import rl as rl_config  # pylint: disable=g-import-not-at-top
-  from glm5_jax.rl import grpo  # pylint: disable=g-import-not-at-top
+  from glm5_jax.rl.orchestration import grpo  # pylint: disable=g-import-not-at-top
   c = small_config(init_dir, max_len=12, max_new_tokens=4, warmup_lengths=(16,))
   with pytest.raises(ValueError, match=r"config.rl.max_len=12: the task's prompts take up "
                      r"to \d+ tokens \(held-out problems and a sample"):
@@ -363,8 +365,8 @@ ONE_GROUP_PUSHES = dict(snapshots="sharded", workers=1, group_size=2, groups_per
 @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")   # Ray's exec'd subprocesses
 def test_ray_pushes_of_a_1gib_model_stay_within_each_processs_share(tmp_path):
   """Trainer (this process) and a Ray rollout worker (its own process) exchange sharded
-  snapshots (rl/snapshots.py) of a 1.3 GiB model: each process's peak RSS growth over a push
-  is at most its share of the tree (here each holds a whole replica) plus the largest leaf
+  snapshots (rl/orchestration/snapshots.py) of a 1.3 GiB model: each process's peak RSS growth over
+  a push is at most its share of the tree (here each holds a whole replica) plus the largest leaf
   plus 10%, the worker reads exactly its share, and the ledger audits clean."""
   pytest.importorskip("ray")
   import ray  # pylint: disable=g-import-not-at-top
@@ -388,7 +390,7 @@ def _big_model(tmp_path):
   sizes = [x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)]
   assert sum(sizes) >= 2**30, sum(sizes)
   init = str(tmp_path / "init")
-  ckpt_lib.save_params(init, cfg, gnn.init_params(cfg, jax.random.PRNGKey(0)))
+  orbax_io.save_params(init, cfg, gnn.init_params(cfg, jax.random.PRNGKey(0)))
   return init, sum(sizes), max(sizes)
 
 

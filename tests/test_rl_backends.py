@@ -1,4 +1,4 @@
-"""Rollout-worker backends (glm5_jax/rl/local_backend.py, ray_backend.py,
+"""Rollout-worker backends (glm5_jax/rl/orchestration/local_backend.py, ray_backend.py,
 distributed_backend.py): one test body, three backends. Two toy workers serve requests under the weights the test publishes; one is killed
 mid-run, restarted at a new epoch, and catches up to the latest version."""
 
@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from glm5_jax.rl import local_backend
-from glm5_jax.rl import weights as weights_lib
+from glm5_jax.rl.orchestration import local_backend
+from glm5_jax.rl.orchestration import weights as weights_lib
 from tests import seeding
 
 
@@ -87,7 +87,7 @@ class _Collector:
 def _make_backend(name, tmp_path):
   if name == "local":
     return local_backend.LocalBackend(ToyWorker)
-  from glm5_jax.rl import ray_backend  # pylint: disable=g-import-not-at-top
+  from glm5_jax.rl.orchestration import ray_backend  # pylint: disable=g-import-not-at-top
   return ray_backend.RayBackend(ToyWorker, weights_lib.FileWeights(str(tmp_path / "w"), keep=2),
                                 num_cpus=1)
 
@@ -195,14 +195,14 @@ def test_local_worker_failure_is_reported(tmp_path):
 
 
 def test_ray_backend_without_ray_says_how_to_install(monkeypatch, tmp_path):
-  from glm5_jax.rl import ray_backend  # pylint: disable=g-import-not-at-top
+  from glm5_jax.rl.orchestration import ray_backend  # pylint: disable=g-import-not-at-top
   monkeypatch.setitem(sys.modules, "ray", None)             # `import ray` raises ImportError
   with pytest.raises(ImportError, match=r'pip install -e "\.\[ray\]"'):
     ray_backend.RayBackend(ToyWorker, weights_lib.FileWeights(str(tmp_path)))
 
 
 def test_ray_workers_get_cpu_jax_without_the_trainers_device_split(monkeypatch):
-  from glm5_jax.rl import ray_backend  # pylint: disable=g-import-not-at-top
+  from glm5_jax.rl.orchestration import ray_backend  # pylint: disable=g-import-not-at-top
   monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_foo=1")
   env = ray_backend.worker_env({"OMP_NUM_THREADS": "2"})
   assert env["JAX_PLATFORMS"] == "cpu" and env["OMP_NUM_THREADS"] == "2"
@@ -233,7 +233,7 @@ def test_distributed_workers_are_processes_of_the_cluster(tmp_path, request):
 def _distributed_main(port, process_id, weights_dir, seed):
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=3, process_id=int(process_id))
-  from glm5_jax.rl import distributed_backend  # pylint: disable=g-import-not-at-top
+  from glm5_jax.rl.orchestration import distributed_backend  # pylint: disable=g-import-not-at-top
   if jax.process_index() > 0:
     distributed_backend.serve()
     return

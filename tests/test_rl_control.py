@@ -14,15 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from glm5_jax.rl import async_loop
-from glm5_jax.rl import groups
-from glm5_jax.rl import heartbeat
-from glm5_jax.rl import ledger as ledger_lib
 from glm5_jax import policy_losses as rl_losses
-from glm5_jax.rl import routing
-from glm5_jax.rl import staleness
-from glm5_jax.rl.trajectory import STATUSES
-from glm5_jax.rl.trajectory import Trajectory
+from glm5_jax.rl.algorithm import groups
+from glm5_jax.rl.algorithm.trajectory import STATUSES
+from glm5_jax.rl.algorithm.trajectory import Trajectory
+from glm5_jax.rl.orchestration import control
+from glm5_jax.rl.orchestration import heartbeat
+from glm5_jax.rl.orchestration import ledger as ledger_lib
+from glm5_jax.rl.orchestration import routing
+from glm5_jax.rl.orchestration import staleness
 
 
 def _rollout(rng, rid, status, reward, versions=(0,)):
@@ -212,7 +212,7 @@ def test_router_remove_moves_only_the_dead_replicas_ids_and_add_moves_none(rng):
 
 
 def test_router_is_deterministic_across_processes():
-  code = ("from glm5_jax.rl import routing; r = routing.Router(5, seed=3); "
+  code = ("from glm5_jax.rl.orchestration import routing; r = routing.Router(5, seed=3); "
           "print([r.route(f'g{k:06d}/{j}') for k in range(30) for j in range(4)])")
   outs = []
   for hashseed in ("1", "2"):
@@ -423,12 +423,12 @@ def test_ledger_without_a_finished_checkpoint_keeps_the_file_and_rolls_it_all_ba
 
 
 def test_control_round_trips_the_ledger_length_and_running_totals():
-  ctl = async_loop.Control(seed=3)
+  ctl = control.Control(seed=3)
   totals = {"counts": {"status_ok": 7, "dropped_stale": 2}, "spans": {"0": 3, "1": 4},
             "wall_s": 12.5, "wait_s": 1.5, "busy_s": [3.0], "prefix_tokens": [10, 40],
             "compile_s": 4.0, "compiles": 9}
   d = json.loads(json.dumps(ctl.to_json([5, 6], 123, totals)))
-  back = async_loop.Control(seed=3)
+  back = control.Control(seed=3)
   back.load(d)
   assert back.ledger_lines == 123 and back.totals == totals
   assert list(back.requeue) == [5, 6]

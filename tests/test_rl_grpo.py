@@ -9,15 +9,15 @@ import pytest
 from configs import rl as rl_config
 from glm5_jax import config as config_lib
 from glm5_jax import nn as gnn
-from glm5_jax.rl import grpo
-from glm5_jax.rl import rewards as rewards_lib
-from glm5_jax.train import checkpoint as ckpt_lib
+from glm5_jax import orbax_io
+from glm5_jax.rl.envs import rewards as rewards_lib
+from glm5_jax.rl.orchestration import grpo
 
 
 @pytest.fixture(scope="module")
 def init_workdir(tmp_path_factory):
   cfg = config_lib.get_preset("tiny")
-  return ckpt_lib.save_params(str(tmp_path_factory.mktemp("init")), cfg, gnn.init_params(cfg, 0))
+  return orbax_io.save_params(str(tmp_path_factory.mktemp("init")), cfg, gnn.init_params(cfg, 0))
 
 
 def _config(init_from, **rl):
@@ -80,7 +80,7 @@ def test_grpo_with_fp8_rollouts_measures_the_gap_and_routing_replay_closes_routi
 
 def test_teacher_of_another_model_shape_is_refused(init_workdir, tmp_path):
   cfg = config_lib.get_preset("tiny", hidden_size=32)
-  other = ckpt_lib.save_params(str(tmp_path / "other"), cfg, gnn.init_params(cfg, 1))
+  other = orbax_io.save_params(str(tmp_path / "other"), cfg, gnn.init_params(cfg, 1))
   c = _config(init_workdir)
   c.distill.teacher = other
   with pytest.raises(ValueError, match="config.distill.teacher"):

@@ -24,7 +24,8 @@ numerics.batch_invariant_cpu()
 import functools, os, tempfile
 import jax, jax.numpy as jnp, numpy as np
 from glm5_jax import config as config_lib, nn as gnn, sharding as shd
-from glm5_jax.train import checkpoint as ckpt_lib, step as step_lib
+from glm5_jax import orbax_io
+from glm5_jax.train import step as step_lib
 from configs import rl as rl_config, rl_async as rl_async_config
 assert jax.device_count() == 8
 cfg = config_lib.get_preset("tiny", attention_type="sparse", mtp_num_steps=1)
@@ -138,8 +139,8 @@ def test_rl_losses_update_sharded_equals_one_device():
 
 _GRPO = textwrap.dedent(_SETUP + """
 import json
-from glm5_jax.rl import grpo
-init = ckpt_lib.save_params(tempfile.mkdtemp(), cfg, params)
+from glm5_jax.rl.orchestration import grpo
+init = orbax_io.save_params(tempfile.mkdtemp(), cfg, params)
 
 def run(mesh_axes, n_dev):
   c = rl_config.get_config("task=arith,runlocal=True")
@@ -187,9 +188,9 @@ def test_grpo_with_context_parallel_responses():
 
 
 _ASYNC = textwrap.dedent(_SETUP + """
-from glm5_jax.rl import async_loop, ledger as ledger_lib
+from glm5_jax.rl.orchestration import async_loop, ledger as ledger_lib
 from glm5_jax.train import metrics as metrics_lib
-init = ckpt_lib.save_params(tempfile.mkdtemp(), cfg, params)
+init = orbax_io.save_params(tempfile.mkdtemp(), cfg, params)
 c = rl_async_config.get_config("task=tool_calc,runlocal=True")
 c.init_from, c.tensorboard, c.total_steps, c.optimizer = init, False, 3, "adamw"
 c.num_devices = 4
@@ -225,7 +226,7 @@ def test_async_trainer_on_4_devices_with_two_2_device_replicas():
 
 _PUSH = textwrap.dedent(_SETUP.replace("== 8", "== 4") + """
 from glm5_jax.inference import Engine, engine as engine_lib
-from glm5_jax.rl import weights as weights_lib
+from glm5_jax.rl.orchestration import weights as weights_lib
 trainer = shd.make_mesh({"fsdp": 2}, jax.devices()[:2])
 replica = shd.make_mesh({"tensor": 2}, jax.devices()[2:])
 _, specs = gnn.abstract_params(cfg)

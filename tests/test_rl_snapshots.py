@@ -1,5 +1,5 @@
-"""Sharded weight snapshots (glm5_jax/rl/snapshots.py): round trips across shardings, bytes
-read per process, corruption, torn versions, monotone versions, pruning, two processes.
+"""Sharded weight snapshots (glm5_jax/rl/orchestration/snapshots.py): round trips across shardings,
+bytes read per process, corruption, torn versions, monotone versions, pruning, two processes.
 
 Multi-device cases run in a subprocess with 8 fake CPU devices (tests/fake_devices.py); the
 rest use the pytest process's one device. Random inputs are seeded from the test's name.
@@ -20,8 +20,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from glm5_jax.rl import snapshots as S
-from glm5_jax.rl import weights as W
+from glm5_jax.rl.orchestration import snapshots as S
+from glm5_jax.rl.orchestration import weights as W
 from tests import fake_devices
 
 ROOT = fake_devices.ROOT
@@ -60,7 +60,7 @@ def _chunk_files(store, version, leaf):
 _MESHES = r"""
 import json, sys, numpy as np, jax, jax.numpy as jnp, ml_dtypes
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from glm5_jax.rl import snapshots
+from glm5_jax.rl.orchestration import snapshots
 seed, directory = int(sys.argv[1]), sys.argv[2]
 rng = np.random.default_rng(seed)
 devs = jax.devices()
@@ -321,7 +321,7 @@ jax.config.update("jax_cpu_collectives_implementation", "gloo")
 port, pid, seed, directory = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from glm5_jax.rl import snapshots
+from glm5_jax.rl.orchestration import snapshots
 rng = np.random.default_rng(seed)                     # the same draws in both processes
 devs = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
 assert [d.process_index for d in devs] == [0] * 4 + [1] * 4

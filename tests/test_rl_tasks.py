@@ -8,10 +8,10 @@ import zlib
 import numpy as np
 import pytest
 
-from glm5_jax.rl import rewards
-from glm5_jax.rl import tasks
-from glm5_jax.rl.tasks import python_functions
-from glm5_jax.rl.tasks import Problem
+from glm5_jax.rl.envs import rewards
+from glm5_jax.rl.envs import tasks
+from glm5_jax.rl.envs.tasks import Problem
+from glm5_jax.rl.envs.tasks import python_functions
 
 TASKS = ("arith", "strings", "python_functions")
 

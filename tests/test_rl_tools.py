@@ -12,9 +12,9 @@ import pytest
 
 from glm5_jax.data import chat
 from glm5_jax.data import tokenizers
-from glm5_jax.rl import tasks
-from glm5_jax.rl import tools
-from glm5_jax.rl.tasks import tool_search
+from glm5_jax.rl.envs import tasks
+from glm5_jax.rl.envs import tools
+from glm5_jax.rl.envs.tasks import tool_search
 
 # --------------------------------------------------------------------------------------
 # calculator
@@ -110,7 +110,7 @@ def test_python_timeout_has_status_timeout():
 # --------------------------------------------------------------------------------------
 
 def test_search_corpus_is_fast_deterministic_and_read_not_imported():
-  code = ("import sys, time; t = time.perf_counter(); from glm5_jax.rl import tools; "
+  code = ("import sys, time; t = time.perf_counter(); from glm5_jax.rl.envs import tools; "
           "c = tools.search_corpus(); dt = time.perf_counter() - t; "
           "print(len(c), dt, 'antigravity' in sys.modules or 'tkinter' in sys.modules, "
           "hash(tuple(c)) == hash(tools.search_corpus()))")

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from glm5_jax import policy
-from glm5_jax.rl.trajectory import Trajectory
-from glm5_jax.rl.trajectory import make_batch
+from glm5_jax.rl.algorithm.trajectory import Trajectory
+from glm5_jax.rl.algorithm.trajectory import make_batch
 
 
 def _rng(name: str):

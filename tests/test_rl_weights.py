@@ -1,5 +1,5 @@
-"""Versioned weights (glm5_jax/rl/weights.py): round trips, monotone versions, corruption,
-a reader racing a writer, pruning."""
+"""Versioned weights (glm5_jax/rl/orchestration/weights.py): round trips, monotone versions,
+corruption, a reader racing a writer, pruning."""
 
 import os
 import threading
@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from glm5_jax.rl import weights as W
+from glm5_jax.rl.orchestration import weights as W
 
 STORES = ("in_process", "file")
 

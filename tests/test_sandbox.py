@@ -22,7 +22,8 @@ import zlib
 import numpy as np
 import pytest
 
-from glm5_jax.rl import sandbox
+from glm5_jax.rl.envs import sandbox
+from glm5_jax.rl.envs import sandbox_cgroups
 
 _ROOT = os.geteuid() == 0
 _PRINT_UID = "import os, sys\nprint(os.getuid(), flush=True)\n"   # so the test can look for it
@@ -70,7 +71,7 @@ def _processes(pred):
 def _cgroups_left():
   """This process's per-call cgroups still present, under each parent the module uses."""
   prefix = f"glm5_sandbox_{os.getpid()}_"
-  return [os.path.join(parent, name) for _, parent in sandbox._own_cgroups().values()
+  return [os.path.join(parent, name) for _, parent in sandbox_cgroups.own_cgroups().values()
           for name in os.listdir(parent) if name.startswith(prefix)]
 
 
@@ -389,8 +390,8 @@ def test_cannot_create_a_nested_user_namespace(monkeypatch):
 def test_without_a_cgroup_the_program_runs_and_total_memory_is_missing(monkeypatch, tmp_path,
                                                                        version, parent):
   where = "/sys/kernel" if parent == "not_writable" else str(tmp_path)   # mkdir: EPERM
-  monkeypatch.setattr(sandbox, "_CGROUP_PARENTS", {"memory": (version, where),
-                                                   "pids": (version, where)})
+  monkeypatch.setattr(sandbox_cgroups, "PARENTS", {"memory": (version, where),
+                                                  "pids": (version, where)})
   r = sandbox.run_python(_PRINT_UID + "print('ran')\n", timeout_s=5.0)
   assert r.status == "ok" and r.stdout.endswith("\nran\n"), r
   assert {"total_memory", "total_processes"} <= set(r.missing)

@@ -12,8 +12,8 @@ import pytest
 
 from configs import common
 from configs import pretrain
-from experiments import sweep
 from glm5_jax.data import corpus
+from glm5_jax.train import sweep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = "model=tiny,runlocal=True"
@@ -129,7 +129,7 @@ def _corpus(rng, tmp_path) -> dict:
           "data.val_fraction": 0.25, "data.num_shards": 1}
 
 
-# A config file with a sweep of its own next to get_config, as experiments.sweep loads it.
+# A config file with a sweep of its own next to get_config, as glm5_jax.train.sweep loads it.
 _CONFIG_FILE = """
 from configs import common
 from configs import pretrain

@@ -40,7 +40,7 @@ def _profile(v, c) -> bool:
 
 
 def _bucket(n: int) -> int:
-  """Power-of-two bucket of a length (>= 16), as rl/trajectory.py pads batches."""
+  """Power-of-two bucket of a length (>= 16), as rl/algorithm/trajectory.py pads batches."""
   b = 16
   while b < n:
     b *= 2

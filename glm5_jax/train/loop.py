@@ -23,10 +23,11 @@ is here, once:
     a run stopped in between evaluating first when resumed; `profile_steps` writes a
     jax.profiler trace to WORKDIR/profile.
 
-A batch source (`Source` below; train/lm_data.py, rl/grpo.py, rl/async_loop.py) gives the
-model config, checks itself against the mesh, produces each step's batches (one, or several
-minibatches each taking one optimizer update, GRPO's), acts after each step (publishing
-weights, resetting the optimizer state), evaluates, and names what it saves with the state.
+A batch source (`Source` below; train/lm_data.py, rl/orchestration/grpo.py,
+rl/orchestration/async_loop.py) gives the model config, checks itself against the mesh, produces
+each step's batches (one, or several minibatches each taking one optimizer update, GRPO's), acts
+after each step (publishing weights, resetting the optimizer state), evaluates, and names what it
+saves with the state.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from glm5_jax import convert
 from glm5_jax import nn as gnn
+from glm5_jax import orbax_io
 from glm5_jax import sharding as shd
 from glm5_jax.train import checkpoint as ckpt_lib
 from glm5_jax.train import checks
@@ -170,7 +173,7 @@ def _init_state(c, cfg, tx, mesh, param_sh, shapes, rules, solo=False):
   if how == "auto":
     how = "host" if jax.default_backend() == "cpu" else "jit"
   if c.init_from:
-    params = ckpt_lib.load_params(c.init_from, cfg, param_sh, mesh=mesh, rules=rules, solo=solo)
+    params = convert.load_params(c.init_from, cfg, param_sh, mesh=mesh, rules=rules, solo=solo)
   elif how == "host":
     host = gnn.init_params(cfg, c.seed)
     params = jax.tree.map(lambda x, sh: jax.make_array_from_callback(
@@ -263,8 +266,8 @@ def run(c, workdir: str, source: Source | None = None) -> dict:
   validate_config(c)
   if source is None and step_lib.get_stage(c.stage).loss != "lm":
     raise ValueError(f"config.stage={c.stage!r} trains on rollouts, not a corpus: run it with "
-                     "`python -m experiments.rl` (glm5_jax.rl.grpo) or "
-                     "`python -m experiments.rl_async` (glm5_jax.rl.async_loop)")
+                     "`python -m experiments.rl` (glm5_jax.rl.orchestration.grpo) or "
+                     "`python -m experiments.rl_async` (glm5_jax.rl.orchestration.async_loop)")
   maybe_initialize_distributed(c)
   held = claim(c, workdir, source is not None and source.solo)   # before anything is written
   # After jax.distributed, whose preemption service installs its own SIGTERM handler; before
@@ -316,7 +319,7 @@ def _run(c, workdir: str, source: Source, preempt) -> dict:
                           is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
   step_lib.check_qat(c, shapes)
   source.setup(cfg, mesh, param_sh)
-  ckpt_lib.check_model_config(workdir, cfg)
+  orbax_io.check_model_config(workdir, cfg)
   tx = step_lib.make_optimizer(c, param_sh)
   stage = c.stage
   mngr = ckpt_lib.manager(workdir, keep=c.keep_checkpoints, async_save=c.async_checkpoints,

@@ -7,8 +7,8 @@ same step, save one checkpoint together and exit 0. One process alone needs no a
 SIGINT (Ctrl-C) is handled as SIGTERM; a second SIGINT raises KeyboardInterrupt at once
 (no checkpoint: the rerun resumes from the last one).
 
-Every loop uses it the same way (train/loop.py, rl/grpo.py; the main job's stages inherit
-it through them):
+Every loop uses it the same way (train/loop.py, rl/orchestration/grpo.py; the main job's stages
+inherit it through them):
 
   preempt = preemption.Preemption()
   for step ...:

@@ -18,8 +18,9 @@ class Stage:
   indexer_kl: bool        # the indexer's KL loss (dense in dense stages, sparse otherwise)
   data: str = "corpus"    # the batch source: "corpus": tokenized documents (data/corpus.py);
                           # "conversations": chat records with loss masks (data/sft.py);
-                          # "rollouts": the synchronous GRPO loop (rl/grpo.py); "streams":
-                          # the asynchronous rollout workers (rl/async_loop.py)
+                          # "rollouts": the synchronous GRPO loop (rl/orchestration/grpo.py);
+                          # "streams": the asynchronous rollout workers
+                          # (rl/orchestration/async_loop.py)
   loss: str = "lm"        # a key of LOSSES
 
 

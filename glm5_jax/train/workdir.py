@@ -15,7 +15,7 @@ later start that changes any of them is refused naming each field with both valu
 fields that only say how long or how often: total_steps, eval_every, log_every,
 checkpoint_every, mesh, ... stay free). `config.allow_changed_run=True` accepts the change on
 purpose: the run logs each change and appends it to run.json's "changes". The model's shape
-is checked by `checkpoint.check_model_config` (WORKDIR/model_config.json).
+is checked by `orbax_io.check_model_config` (WORKDIR/model_config.json).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Dispatch for the lightning-indexer top-k: `impl="xla"` (chunked jnp reference, selecting
-with `reference.deterministic_topk`, i.e. XLA's top_k) or `impl="pallas"` (the Pallas
+with `xla.deterministic_topk`, i.e. XLA's top_k) or `impl="pallas"` (the Pallas
 score kernel, then the Pallas selection kernel, which makes the same ordered list).
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from pallas_kernels import _backend
-from pallas_kernels.lightning_indexer import reference
+from pallas_kernels.lightning_indexer import xla
 
 IMPLS = ("xla", "pallas")
 
@@ -69,8 +69,8 @@ def topk_indices(q, k, w, topk: int, *, impl: str = "xla", interpret: bool | Non
     raise ValueError(f"topk_indices: start{start.shape}, expected [b, t] = {q.shape[:2]}")
   _check_limit(limit, *q.shape[:2])
   if impl == "xla":
-    return reference.topk_indices_reference(q, k, w, topk, chunk_size=chunk_size, start=start,
-                                            limit=limit)
+    return xla.topk_indices_xla(q, k, w, topk, chunk_size=chunk_size, start=start,
+                                limit=limit)
   if impl == "pallas":
     from pallas_kernels.lightning_indexer import kernel  # pylint: disable=g-import-not-at-top
     return kernel.topk_indices(q, k, w, topk, start=start, interpret=interpret,

@@ -1,6 +1,6 @@
 """Lightning-indexer scores on GPU (Pallas Triton), one query chunk at a time.
 
-The maths of `reference.index_scores` (DeepSeek-V3.2 paper §2.1 eq. (1),
+The maths of `xla.index_scores` (DeepSeek-V3.2 paper §2.1 eq. (1),
 docs/design.md §2.4) and the tiling of `tpu.py`: grid (b, c / tq, s / bk), one [tq, bk]
 tile per program, h_i matmuls q_j [tq, d] . k^T [d, bk] through ReLU, scaled by
 w[:, j] and summed in float32. Causal-dead tiles write -inf without loading

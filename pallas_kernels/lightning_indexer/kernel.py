@@ -11,10 +11,10 @@ float32 and the full [t, s] score matrix never exists):
   2. the selection kernel (`selection_tpu.py`, `selection_gpu.py`; the steps in
      `selection.py`) reads them back and writes each query's top-k: the keys
      start <= j <= limit with the largest scores, descending, ties -> lower j,
-     -1 fill, NaN and -inf hidden: `reference.deterministic_topk`'s list, made
+     -1 fill, NaN and -inf hidden: `xla.deterministic_topk`'s list, made
      without a sort (a radix threshold, a compaction and a bitonic network). The
      causal limit, an explicit limit and the document `start` are applied here.
-The selection equals `topk_indices_reference`'s whenever the scores are equal;
+The selection equals `topk_indices_xla`'s whenever the scores are equal;
 they are computed by the same products summed in a different order, so they
 agree to float32 rounding (exactly, for inputs whose sums are exact, such as the
 tied-score tests), and the kernels are bit-reproducible run to run.
@@ -29,10 +29,10 @@ import jax.numpy as jnp
 
 from pallas_kernels import _backend
 from pallas_kernels.lightning_indexer import gpu
-from pallas_kernels.lightning_indexer import reference
 from pallas_kernels.lightning_indexer import selection_gpu
 from pallas_kernels.lightning_indexer import selection_tpu
 from pallas_kernels.lightning_indexer import tpu
+from pallas_kernels.lightning_indexer import xla
 
 DEFAULT_CHUNK = 256
 
@@ -123,7 +123,7 @@ def _topk_one_backend(backend, topk, chunk_size, block_q, block_k, interpret, ca
     q_bjcd, w_bcj, limit, q0, start_bc = args
     scores_bcs = scores_fn(q0, q_bjcd, k_p, w_bcj)                  # [b, c, s + pad]
     if selection == "top_k":                                         # XLA's (the baseline)
-      return reference.deterministic_topk(scores_bcs[:, :, :s], limit, topk, start_bc)
+      return xla.deterministic_topk(scores_bcs[:, :, :s], limit, topk, start_bc)
     return select(backend, scores_bcs, start_bc, limit, topk, s, interpret)
 
   idx = jax.lax.map(one_chunk, (q_c, w_c, limit_c, q0_c, start_c))   # [n, b, c, topk]
@@ -154,10 +154,10 @@ def topk_indices(q, k, w, topk: int, *, start=None, interpret=False,
       causal, s - t + i). Given, every score tile is computed (no causal
       skipping) and the limit is applied in the selection, as in the reference.
     selection: "kernel" (the selection kernel) or "top_k" (XLA's top_k on the
-      kernel's scores, `reference.deterministic_topk`: the baseline it replaced).
+      kernel's scores, `xla.deterministic_topk`: the baseline it replaced).
 
   Returns:
-    int32 [b, t, topk], as `reference.topk_indices_reference`. The selection
+    int32 [b, t, topk], as `xla.topk_indices_xla`. The selection
     has no gradient; q, k and w are cut from autodiff here (a pallas_call has
     no JVP rule, and the model differentiates through the layer that calls this).
   """
@@ -170,7 +170,7 @@ def topk_indices(q, k, w, topk: int, *, start=None, interpret=False,
   b, t = q.shape[:2]
   start = jnp.zeros((b, t), jnp.int32) if start is None else start.astype(jnp.int32)
   causal = limit is None
-  limit = (reference.causal_limit(t, k.shape[1]) if causal
+  limit = (xla.causal_limit(t, k.shape[1]) if causal
            else jnp.asarray(limit).astype(jnp.int32))
   make = lambda name, interp: functools.partial(_topk_one_backend, name, topk, chunk_size,
                                                 block_q, block_k, interp, causal, selection)

@@ -1,6 +1,6 @@
 """Exact top-k of indexer scores on chip: a radix threshold, a compaction, a bitonic sort.
 
-The selection of `reference.deterministic_topk`, without a sort or top_k primitive
+The selection of `xla.deterministic_topk`, without a sort or top_k primitive
 (jax 0.10.2's Mosaic TPU has no sort, top_k or cumsum; Triton has no sort): for each
 query row the keys start <= j <= limit whose score is neither NaN nor -inf, the
 `topk` largest in descending score (lax.top_k's total order: -0.0 below +0.0),

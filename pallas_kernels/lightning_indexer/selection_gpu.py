@@ -108,7 +108,7 @@ def _select_kernel(start_ref, limit_ref, scores_ref, out_ref, slot_pos_ref, slot
 def select_topk(scores_bcs, start_bc, limit_bc, *, topk: int, n_keys: int,
                 block: int = BLOCK, radix_bits: int = RADIX_BITS, interpret=False,
                 num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES):
-  """Top-k per row of scores: the selection of `reference.deterministic_topk`.
+  """Top-k per row of scores: the selection of `xla.deterministic_topk`.
 
   Args:
     scores_bcs: float32 [b, c, s_p], s_p % block == 0; keys at or past n_keys are

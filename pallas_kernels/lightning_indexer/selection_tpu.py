@@ -170,7 +170,7 @@ def vmem_bytes(s_p: int, k_p: int) -> int:
 def select_topk(scores_bcs, start_bc, limit_bc, *, topk: int, n_keys: int,
                 radix_bits: int = RADIX_BITS, interpret=False,
                 vmem_limit_bytes: int | None = None):
-  """Top-k per row of scores: the selection of `reference.deterministic_topk`.
+  """Top-k per row of scores: the selection of `xla.deterministic_topk`.
 
   Args:
     scores_bcs: float32 [b, c, s_p], c % 8 == 0, s_p % 128 == 0, s_p >= k_p;

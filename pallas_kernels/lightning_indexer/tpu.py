@@ -1,7 +1,7 @@
 """Lightning-indexer scores on TPU (Pallas Mosaic), one query chunk at a time.
 
 DeepSeek-V3.2 paper §2.1 eq. (1), docs/design.md §2.4; the maths of
-`reference.index_scores`:
+`xla.index_scores`:
 
     I[t, s] = sum_j w[t, j] * relu(q[t, j] . k[s])
 

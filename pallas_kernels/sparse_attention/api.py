@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pallas_kernels import _backend
-from pallas_kernels.sparse_attention import reference
+from pallas_kernels.sparse_attention import xla
 
 IMPLS = ("xla", "pallas")
 
@@ -39,8 +39,8 @@ def sparse_mla(q, kv, indices, *, v_dim: int, scale: float, impl: str = "xla",
   """
   _check_shapes(q, kv, indices, v_dim)
   if impl == "xla":
-    return reference.sparse_mla_reference(q, kv, indices, v_dim=v_dim, scale=scale,
-                                          chunk_size=chunk_size)
+    return xla.sparse_mla_xla(q, kv, indices, v_dim=v_dim, scale=scale,
+                              chunk_size=chunk_size)
   if impl == "pallas":
     from pallas_kernels.sparse_attention import kernel  # pylint: disable=g-import-not-at-top
     return kernel.sparse_mla(q, kv, indices, v_dim=v_dim, scale=scale, interpret=interpret,

@@ -1,6 +1,6 @@
 """Sparse MLA attention on GPU (Pallas Triton): forward and backward kernels.
 
-Same maths as `tpu.py` and `reference.sparse_mla_reference` (docs/design.md
+Same maths as `tpu.py` and `xla.sparse_mla_xla` (docs/design.md
 §2.3-2.4). Notation: b batch, t queries, s cache rows, h heads (padded to hp),
 k top-k slots (n_kb blocks of bk), d = d_qk, v = v_dim.
 

@@ -1,6 +1,6 @@
 """Sparse MLA attention kernels: custom_vjp and backend choice (`impl="pallas"`).
 
-`sparse_mla` equals `reference.sparse_mla_reference` (same arguments, same
+`sparse_mla` equals `xla.sparse_mla_xla` (same arguments, same
 outputs: out [b, t, h, v] in q.dtype, lse [b, t, h] float32, zeros / -inf for a
 query with no valid slot) and is differentiable in q and kv through a
 custom_vjp whose forward and backward are both Pallas kernels on both backends:

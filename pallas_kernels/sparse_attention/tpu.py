@@ -1,7 +1,7 @@
 """Sparse MLA attention on TPU (Pallas Mosaic): forward and backward kernels.
 
 Absorbed-MLA (MQA) attention over gathered top-k rows, docs/design.md §2.3-2.4;
-the maths of `reference.sparse_mla_reference`. Notation: b batch, t queries,
+the maths of `xla.sparse_mla_xla`. Notation: b batch, t queries,
 s cache rows, h heads, k top-k slots (padded to n_kb blocks of bk), d = d_qk,
 v = v_dim.
 
@@ -197,7 +197,7 @@ def sparse_mla_fwd(q, kv, idx_bgnk, *, v_dim, scale, interpret=False):
     q: [b, t, h, d] queries.
     kv: [b, s, d] float32 cache rows (`prepare_kv`; left in HBM).
     idx_bgnk: [b, t, n_kb, bk] int32 slot indices, -1 = empty.
-    v_dim, scale: as in `reference.sparse_mla_reference`.
+    v_dim, scale: as in `xla.sparse_mla_xla`.
     interpret: False, True or a `pltpu.InterpretParams`.
 
   Returns:
