@@ -288,7 +288,7 @@ def serving_shardings(cfg, mesh, rules=None):
 def serving_template(cfg, mesh, rules=None):
   """Shapes, dtypes and serving shardings of the engine's parameters, as
   `jax.ShapeDtypeStruct`s: a weight store's `latest(template)` reads each process's slices
-  straight into them (rl/snapshots.py)."""
+  straight into them (rl/orchestration/snapshots.py)."""
   shapes, _ = gnn.abstract_params(cfg)
   return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                       shapes, serving_shardings(cfg, mesh, rules))
