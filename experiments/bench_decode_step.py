@@ -14,11 +14,13 @@ is longer than the top-k, so each step selects 2048 of about 3,000 cached rows.
 
 The floor is the bytes a decode step must read over the memory bandwidth (--peak_gbs,
 measured with a large copy when 0):
-  weights   every parameter once (bfloat16), except the embedding table (B rows) and
-            the routed experts, of which min(E, B K) per MoE layer (B tokens choosing K
-            of E experts each: at least that many distinct ones when they disagree);
+  weights   every parameter of the decoder once (bfloat16; the MTP layer not counted),
+            the embedding table's B rows, and of the routed experts min(E, B K) per MoE
+            layer (B tokens choosing K of E experts each: at least that many distinct ones
+            when they disagree);
   cache     per layer and request, the indexer's float32 keys of every cached row and
-            the top-k latent rows [c_kv | k_rope] that sparse attention gathers.
+            the top-k latent rows [c_kv | k_rope] that sparse attention gathers
+            (glm5_jax/inference/roofline.py).
 fraction = floor / measured step. Each row is written to the JSON when it is done.
 """
 
@@ -33,6 +35,8 @@ from glm5_jax import config as config_lib
 from glm5_jax import nn as gnn
 from glm5_jax.inference import Engine
 from glm5_jax.inference import SamplingParams
+from glm5_jax.inference import roofline
+from glm5_jax.nn import layer_stack
 
 _BATCHES = flags.DEFINE_list("batches", ["1", "16", "64"], "engine slots (batch sizes)")
 _PROMPT = flags.DEFINE_integer("prompt_len", 3000, "prompt tokens per request (> top-k)")
@@ -54,22 +58,13 @@ def model_config(smoke: bool, max_len: int):
 
 
 def floor_bytes(cfg, params, batch: int, context: float) -> dict:
-  """Bytes one decode step must read: weights (routed experts: min(E, B K) per layer) + cache."""
-  touched = min(cfg.n_routed_experts, batch * cfg.num_experts_per_tok) / cfg.n_routed_experts
-  weights = 0.0
-  for path, x in jax.tree_util.tree_leaves_with_path(params):
-    name = jax.tree_util.keystr(path)
-    nbytes = x.size * x.dtype.itemsize
-    if "['embed']" in name:
-      nbytes = batch * x.shape[-1] * x.dtype.itemsize
-    elif "['experts']" in name:
-      nbytes *= touched
-    weights += nbytes
-  rows = min(context, cfg.index_topk)
-  per_layer = (context * cfg.index_head_dim * 4
-               + rows * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * jnp.dtype(cfg.dtype).itemsize)
-  cache = batch * cfg.num_hidden_layers * per_layer
-  return dict(weight_bytes=weights, cache_bytes=cache, bytes=weights + cache)
+  """Bytes one decode step must read (glm5_jax/inference/roofline.py), the routed experts
+  estimated as min(E, B K) per MoE layer (the routing is not recorded here)."""
+  n_moe = layer_stack.num_moe_layers(cfg)
+  used = n_moe * min(cfg.n_routed_experts, batch * cfg.num_experts_per_tok)
+  need = roofline.decode_bytes(cfg, params, used, [int(context)] * batch)
+  return dict(weight_bytes=need["weights"] + need["experts"], cache_bytes=need["kv"],
+              bytes=need["total"])
 
 
 def bench_batch(cfg, params, batch, prompt_len, new_tokens, steps_per_sync, invariant,
