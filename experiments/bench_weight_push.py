@@ -109,7 +109,7 @@ def _child(pid: int, port: int, directory: str, leaf_mib) -> None:
                shards=stats["pull_shards"], exact=bool(exact))
   bound = 1.1 * (held + largest)
   out.update(process=pid, largest_leaf=largest, rss_growth=m.growth,
-             rss_growth_at_end=m.end_growth, hwm_reset=m.hwm, bound=bound,
+             rss_growth_at_end=m.end_growth, hwm_reset=m.exact, bound=bound,
              ratio=m.growth / bound)
   with open(report + ".tmp", "w") as f:
     json.dump(out, f)

@@ -339,6 +339,11 @@ class ShardedWeights:
     A version pruned while it is read is retried with the then newest."""
     for _ in range(10):
       versions = self.versions()
+      # A listing can miss every version: the newest is pruned (`_prune`, after a newer one
+      # committed) between `versions`' listdir and its check of the commit file. Only a
+      # store that stays empty over a few listings has none.
+      for _ in range(3):
+        versions = versions or self.versions()
       if not versions:
         raise LookupError(f"ShardedWeights.latest: no committed version in {self.directory}")
       try:
