@@ -72,7 +72,7 @@ class Scheduler:
     self.waiting: collections.deque[records.Request] = collections.deque()
     self.requests: dict[int, records.Request] = {}
     self.sessions: dict[str, records.Session] = {}
-    self.records: dict[int, list] = {}      # cached block -> its rows' (topk, routing)
+    self.block_records: dict[int, list] = {}      # cached block -> its rows' (topk, routing)
     self.stats = collections.Counter() if stats is None else stats
     self._ids, self._session_ids, self._clock = (itertools.count() for _ in range(3))
 
@@ -182,7 +182,7 @@ class Scheduler:
     """Nothing cached is valid under weights `version`: running requests go back to the
     front of the queue (in submission order), every request and session will prefill its
     rows again, every block is freed."""
-    self.records = {}
+    self.block_records = {}
     self.version = version
     running = sorted((r for r in self.slots if r is not None), key=lambda r: r.rid)
     for r in running:
@@ -292,14 +292,14 @@ class Scheduler:
     pos = {b: j * self.block_size for j, b in enumerate(r.blocks)}
     for b in blocks:
       rows = range(pos[b], pos[b] + self.block_size)
-      self.records[b] = [((r.topk or {}).get(p), (r.routing or {}).get(p)) for p in rows]
+      self.block_records[b] = [((r.topk or {}).get(p), (r.routing or {}).get(p)) for p in rows]
 
   def _recall(self, r: records.Request) -> None:
     """Fills r's records of the rows it took from cached blocks (`prompt_cached`)."""
     if r.topk is None and r.routing is None:
       return
     for j, b in enumerate(r.blocks):
-      for i, (topk, routing) in enumerate(self.records.get(b, ())):
+      for i, (topk, routing) in enumerate(self.block_records.get(b, ())):
         p = j * self.block_size + i
         if r.topk is not None and topk is not None:
           r.topk.setdefault(p, topk)
