@@ -19,9 +19,9 @@ attention_impl xla, master weights in `--param_dtype`), its train state and rule
 batch: `--sequences` sequences of `seq_len` tokens (0: one per batch group, data x fsdp x
 expert), each split over `context`. Rows and table are aot_train_memory's.
 
-`--part=decode`: one call of the engine's decode function (`inference.engine._step_fns(...)[1]`:
+`--part=decode`: one call of the engine's decode function (`steps.jit_steps(...)[1]`:
 `steps_per_sync` decode steps of `steps.decode` under `lax.while_loop`, the cache donated),
-with the parameters in the engine's serving shardings (`Engine._shardings`: `--serve_rules`
+with the parameters in the engine's serving shardings (`placement.shardings`: `--serve_rules`
 over the rollout mesh, default heads over tensor and experts over expert, in
 `--serve_param_dtype`) and a paged latent KV pool for `--requests` concurrent requests of
 `--contexts` tokens each (`layer_stack.init_cache`, rows split over the batch axes as the
@@ -68,7 +68,8 @@ from experiments import aot_train_memory as atm
 from glm5_jax import config as config_lib
 from glm5_jax import nn as gnn
 from glm5_jax import sharding as shd
-from glm5_jax.inference import engine as engine_lib
+from glm5_jax.inference import packing
+from glm5_jax.inference import steps as steps_lib
 from glm5_jax.nn import kv_cache
 from glm5_jax.nn import layer_stack
 from glm5_jax.train import step as step_lib
@@ -282,7 +283,8 @@ def serve_config(num_layers: int, param_dtype: str, dispatch: str):
 
 
 def serve_params(cfg, mesh, rule_name: str):
-  """Parameters as ShapeDtypeStructs in the engine's serving shardings (`Engine._shardings`)."""
+  """Parameters as ShapeDtypeStructs in the engine's serving shardings
+  (`inference.placement.shardings`)."""
   shapes, specs = gnn.abstract_params(cfg)
   param_sh = shd.param_shardings(specs, mesh, atm.rules(rule_name))
   shd.check_divisible(shapes, param_sh, mesh)
@@ -305,7 +307,7 @@ def decode_args(cfg, mesh, params, requests: int, context: int, block_size: int)
   cache = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                       sharding=pool_sharding(mesh)(x)), cache)
   rep = shd.replicated(mesh)
-  m = engine_lib._pow2(per_request)  # pylint: disable=protected-access
+  m = packing.pow2(per_request)
   table = jax.ShapeDtypeStruct((requests, m), jnp.int32, sharding=rep)
   packed = (jax.ShapeDtypeStruct((requests, 8), jnp.int32, sharding=rep),
             jax.ShapeDtypeStruct((requests, 2), jnp.float32, sharding=rep),
@@ -354,8 +356,8 @@ def decode_row(topology, devices, mesh_sizes, context, requests, *, num_layers, 
              state_bytes=atm._bytes(args))  # pylint: disable=protected-access
   if not do_compile:
     return with_kv_room(dict(row, ok=None, compile_seconds=0.0))
-  decode = engine_lib._step_fns(cfg, block_size, False, steps_per_sync,  # pylint: disable=protected-access
-                                cfg.mtp_num_steps, 1, 1)[1]
+  decode = steps_lib.jit_steps(cfg, block_size, False, steps_per_sync, cfg.mtp_num_steps, 1,
+                               1)[1]
   with jax.set_mesh(mesh):
     return with_kv_room(with_resident(_measure(decode, args, row)))
 

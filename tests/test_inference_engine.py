@@ -122,14 +122,15 @@ def test_a_lone_request_equals_the_trainer_bitwise(cfg, engine, reference, rng):
   log-probs equal the trainer's to the bit."""
   assert engine_lib.invariant_tokens(cfg, "gpu") == engine_lib.invariant_tokens(cfg, "tpu") == 4
   assert engine_lib.invariant_tokens(cfg) == numerics.MIN_INVARIANT_ROWS == 8
-  assert len(engine._lanes([1])) == 8
-  assert len(engine._lanes([0, 2], t=16)) == 2
-  engine.shape_buckets = False          # one decode shape: every slot, the whole view
+  packer = engine._packer
+  assert len(packer.lanes([1])) == 8
+  assert len(packer.lanes([0, 2], t=16)) == 2
+  packer.shape_buckets = False          # one decode shape: every slot, the whole view
   try:
-    assert len(engine._lanes([0, 2], t=16)) == 3 and len(engine._lanes([1])) == 8
-    assert engine._table([engine.max_batch] * 4, 5).shape == (4, 16)   # pow2 of 96 / 8
-  finally:
-    engine.shape_buckets = True
+    assert len(packer.lanes([0, 2], t=16)) == 3 and len(packer.lanes([1])) == 8
+    assert packer.table(engine.scheduler.slots, [engine.max_batch] * 4, 5).shape == (4, 16)
+  finally:                                                          # pow2 of 96 / 8 blocks
+    packer.shape_buckets = True
   prompt = rng.integers(0, 256, 11).tolist()
   out = engine.generate([prompt], SamplingParams(max_new_tokens=13, seed=3), record_topk=True)[0]
   _check(reference, [(prompt, out.token_ids)], [out], atol=0.0)
@@ -292,12 +293,12 @@ def test_stop_tokens_max_new_tokens_and_cache_end(engine, rng):
 
 
 def test_cancel_frees_the_slot_and_blocks(engine, rng):
-  free = engine._pools[0].num_available
+  free = engine.scheduler.pools[0].num_available
   rid, = engine.submit(rng.integers(0, 256, 12).tolist(), SamplingParams(max_new_tokens=50))
   engine.step()
   assert rid in engine.running
   engine.cancel(rid)
-  assert rid not in engine.running and engine._pools[0].num_available >= free
+  assert rid not in engine.running and engine.scheduler.pools[0].num_available >= free
   with pytest.raises(ValueError, match="unknown or already finished"):
     engine.cancel(rid)
 
@@ -340,7 +341,7 @@ def test_bad_input_raises_a_clear_error_and_the_engine_stays_usable(engine, para
   outs = engine.generate([p, p, p], sp)                      # still serving
   assert [o.token_ids for o in outs[1:]] == [outs[0].token_ids] * 2
   assert engine.version == 0
-  _drain(engine, list(engine._requests))
+  _drain(engine, list(engine.scheduler.requests))
   engine.end_session(sid)
   with pytest.raises(ValueError, match="unknown"):
     engine.end_session(sid)

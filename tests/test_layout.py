@@ -23,6 +23,13 @@ def _modules() -> dict[str, pathlib.Path]:
 
 
 def _imports(path: pathlib.Path, modules) -> set[str]:
+  """The project modules `path` imports."""
+  return {m for m in _all_imports(path, modules)
+          if m.split(".")[0] in PACKAGES + ("experiments", "tests", "configs")}
+
+
+def _all_imports(path: pathlib.Path, modules) -> set[str]:
+  """Every module `path` imports, the project's and others (jax, numpy, ...)."""
   out = set()
   for node in ast.walk(ast.parse(path.read_text())):
     if isinstance(node, ast.Import):
@@ -31,7 +38,7 @@ def _imports(path: pathlib.Path, modules) -> set[str]:
       for a in node.names:
         sub = f"{node.module}.{a.name}"
         out.add(sub if sub in modules else node.module)
-  return {m for m in out if m.split(".")[0] in PACKAGES + ("experiments", "tests", "configs")}
+  return out
 
 
 @pytest.fixture(scope="module")
@@ -147,3 +154,36 @@ def test_former_import_paths_reach_the_moved_code():
   for old, name, new in same:
     assert getattr(importlib.import_module(old), name) is getattr(importlib.import_module(new),
                                                                    name), (old, name)
+
+
+# Modules that run on the host only: neither they nor a project module they import
+# (transitively) import a device library.
+HOST_ONLY = ("glm5_jax.inference.scheduler",)
+DEVICE_LIBRARIES = ("jax", "jaxlib", "flax")
+
+
+def _device_imports(module, graph, modules) -> list[str]:
+  """Edges `m -> jax...` of `module` and every project module it reaches."""
+  seen, todo, out = set(), [module], []
+  while todo:
+    m = todo.pop()
+    if m in seen:
+      continue
+    seen.add(m)
+    out += [f"{m} -> {d}" for d in sorted(_all_imports(modules[m], modules))
+            if d.split(".")[0] in DEVICE_LIBRARIES]
+    todo += [d for d in graph[m] if d in modules]
+  return sorted(out)
+
+
+@pytest.mark.parametrize("module", HOST_ONLY)
+def test_host_only_modules_import_no_jax(graph, module):
+  assert _device_imports(module, graph, _modules()) == []
+
+
+def test_the_host_only_check_follows_imports(graph):
+  """`glm5_jax.inference` imports no jax itself, but reaches it through the engine."""
+  modules = _modules()
+  assert not {"jax", "flax"} & _all_imports(modules["glm5_jax.inference"], modules)
+  assert "glm5_jax.inference.engine -> jax" in _device_imports("glm5_jax.inference", graph,
+                                                                modules)

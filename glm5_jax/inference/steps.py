@@ -1,4 +1,5 @@
-"""The engine's device steps: pure functions over the trainer's own model (the Engine jits them).
+"""The engine's device steps: pure functions over the trainer's own model, and their jitted
+form (`jit_steps`).
 
 Every step runs `GLM5(cfg).apply(..., cache=, cache_index=)` (nn/model.py), the forward
 pass the trainer differentiates, over the paged KV pool (nn/kv_cache.py); nothing here
@@ -31,6 +32,8 @@ Rows written for rejected drafts sit beyond the sequence length: they are never 
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -330,3 +333,49 @@ def speculative_round(cfg, block_size, n_draft, params, cache, fold, table_bm, s
   res = {"tok": out_tok, "logprob": out_lp, "n_emit": n_emit, "n_accepted": n_acc * act,
          "pos": n0, "topk": _stack_topk(out.topk_indices), "routing": out.routing}
   return cache, fold, st, res
+
+
+@functools.lru_cache(maxsize=32)
+def jit_steps(cfg, block_size: int, with_mtp: bool, steps_per_sync: int, num_draft: int,
+              rounds_per_sync: int, min_draft_lanes: int, routing: bool = False):
+  """The jitted steps of an engine (prefill, decode, speculative, set_h), shared by every
+  engine of the same configuration (an evaluation engine, a restarted rollout worker), so
+  their compilations are reused. Their host arguments are packing.py's:
+
+  prefill (params, cache, h_all, lanes, table, tokens, start, n_valid, h_valid, packed state)
+  -> (cache, h_all, out); decode (params, cache, table, packed state) -> (cache, {pos,
+  active}, outs per step); speculative (params, cache, h_all, lanes, table, packed state) ->
+  (cache, h_all, {pos, active}, outs per round); set_h (h_all, slot, row) -> h_all.
+  h_all [max_batch, d] holds each slot's MTP hidden state (`prefill`'s h_last); a call over
+  lanes (int32 [n], each lane's slot; max_batch: padding) reads and writes their rows. The
+  cache and h_all are donated."""
+  def prefill_fn(params, cache, h_all, lanes, table, tokens, start, n_valid, h_valid, packed):
+    cache, h, out = prefill(cfg, block_size, with_mtp, params, cache,
+                            jnp.take(h_all, lanes, axis=0, mode="clip"), table, tokens,
+                            start, n_valid, h_valid, unpack_state(packed), routing)
+    return cache, h_all.at[lanes].set(h, mode="drop"), out
+
+  def decode_fn(params, cache, table, packed):
+    cache, st, out = decode(cfg, block_size, steps_per_sync, params, cache, table,
+                            unpack_state(packed), routing)
+    return cache, {"pos": st["pos"], "active": st["active"]}, out
+
+  def speculative_fn(params, cache, h_all, lanes, table, packed):
+    st = unpack_state(packed)
+    h_last = jnp.take(h_all, lanes, axis=0, mode="clip")
+    def body(carry, _):
+      cache, fold, st = carry
+      cache, fold, st, out = speculative_round(cfg, block_size, num_draft, params, cache,
+                                               fold, table, st, min_draft_lanes, routing)
+      return (cache, fold, st), out
+    fold = init_fold(st, h_last, num_draft)
+    (cache, fold, st), outs = scan_while_active(body, (cache, fold, st), rounds_per_sync)
+    cache, h_last = finish_fold(cfg, block_size, params, cache, fold, table, st)
+    h_all = h_all.at[lanes].set(h_last, mode="drop")
+    return cache, h_all, {"pos": st["pos"], "active": st["active"]}, outs
+
+  set_h = lambda h, i, row: h.at[i].set(row.astype(h.dtype))
+  return (jax.jit(prefill_fn, donate_argnums=(1, 2)),
+          jax.jit(decode_fn, donate_argnums=(1,)),
+          jax.jit(speculative_fn, donate_argnums=(1, 2)),
+          jax.jit(set_h, donate_argnums=(0,)))

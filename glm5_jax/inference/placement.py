@@ -1,0 +1,196 @@
+"""Where the engine's arrays live, and the checks of a parameter tree before it is served.
+
+The served parameters (`Served`) take the model's shardings on the engine's mesh (its
+logical-axis rules) or the first device; the cache pool and the per-slot rows split over the mesh's
+batch axes. `place` commits a tree into its shardings without copying leaves already there
+(a colocated trainer's arrays), freeing the engine's own copies of the previous version
+leaf by leaf. `tree_diff` and `check_finite` name the first leaf of a tree that the engine
+cannot serve.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from glm5_jax import nn as gnn
+from glm5_jax import sharding as shd
+from glm5_jax.inference import precision
+
+
+def serving_shardings(cfg, mesh, rules=None):
+  """The engine's parameter shardings on `mesh` (the model's logical-axis `rules`, default
+  sharding.DEFAULT_RULES); a mesh of None: the first device."""
+  shapes, specs = gnn.abstract_params(cfg)
+  if mesh is None:
+    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.tree.map(lambda _: dev, shapes)
+  param_sh = shd.param_shardings(specs, mesh, shd.rules_from_config(rules))
+  shd.check_divisible(shapes, param_sh, mesh)
+  return param_sh
+
+
+def serving_template(cfg, mesh, rules=None):
+  """Shapes, dtypes and serving shardings of the engine's parameters, as
+  `jax.ShapeDtypeStruct`s: a weight store's `latest(template)` reads each process's slices
+  straight into them (rl/orchestration/snapshots.py)."""
+  shapes, _ = gnn.abstract_params(cfg)
+  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                      shapes, serving_shardings(cfg, mesh, rules))
+
+
+def mesh_scope(mesh):
+  return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+
+
+def shardings(cfg, mesh, rules, served):
+  """{"params": shardings of the served tree (`served`: its shapes), "rows": of per-slot rows,
+  "cache": pool -> its shardings}: one placement, so nothing recompiles."""
+  if mesh is None:
+    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return {"params": jax.tree.map(lambda _: dev, served), "rows": dev,
+            "cache": lambda c: jax.tree.map(lambda _: dev, c)}
+  param_sh = precision.converted_shardings(served, serving_shardings(cfg, mesh, rules))
+  axes = tuple(a for a in shd.BATCH_AXES if mesh.shape.get(a, 1) > 1) or None
+  rows = NamedSharding(mesh, P(axes))
+  pool = lambda x: NamedSharding(mesh, P(*([None] * (x.ndim - 2)), axes, None))
+  return {"params": param_sh, "rows": rows, "cache": lambda c: jax.tree.map(pool, c)}
+
+
+class Served:
+  """The parameters an engine serves: converted (precision.py: `weight_dtype`, `scheme`) on
+  the devices and committed to their shardings (`place`); `params` holds them."""
+
+  def __init__(self, cfg, params, mesh, rules, weight_dtype: str = "float32", scheme=None):
+    self.template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
+    self.mesh = mesh
+    self._identity = weight_dtype == "float32" and scheme is None
+    convert = lambda p: precision.convert(p, weight_dtype, scheme)
+    self.shardings = shardings(cfg, mesh, rules, jax.eval_shape(convert, self.template))
+    self._convert = jax.jit(convert, out_shardings=self.shardings["params"])
+    self.params, self._owned = place(self._converted(params), self.shardings["params"])
+
+  def _converted(self, params):
+    """The parameters as served, computed on the devices into their shardings; the given
+    arrays when nothing is converted (float32)."""
+    if self._identity:
+      return params
+    with mesh_scope(self.mesh):
+      return self._convert(params)
+
+  def update(self, params) -> None:
+    """Serves `params` instead (same tree, shapes and dtypes, every float finite); a
+    ValueError names the first leaf that differs or holds a NaN or inf, before anything
+    changes."""
+    diff = tree_diff(params, self.template)
+    if diff is not None:
+      raise ValueError(f"update_params: the parameter tree differs from the engine's (a "
+                       f"different config?): {diff}")
+    check_finite(params, "update_params")
+    self.params, self._owned = place(self._converted(params), self.shardings["params"],
+                                     self.params, self._owned)
+
+
+def place(params, param_shardings, old=None, owned=None):
+  """Commits `params` to `param_shardings`, leaf by leaf. Returns (placed tree, owned: per
+  leaf, whether it is a copy of the engine's own).
+
+  A leaf already in its sharding is served as it is (a trainer's own arrays: colocated, no
+  copy); any other is copied device to device (a replica on other devices). With the
+  previous version (`old`, its `owned`), each copied leaf of it is freed once its new value
+  is in place, so a swap needs at most one leaf of memory beyond the parameters.
+  """
+  new, now_owned = [], []
+  old = jax.tree_util.tree_leaves(old) if owned is not None else None
+  flat_sh = jax.tree_util.tree_leaves(param_shardings,
+                                      is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+  for i, (x, sh) in enumerate(zip(jax.tree_util.tree_leaves(params), flat_sh)):
+    y = jax.device_put(x, sh)
+    if owned is not None and owned[i] and old[i] is not y:
+      old[i].delete()                             # a copy of the previous version
+    new.append(y)
+    # Already in place, device_put aliases x's buffers (a new Array object sharing them):
+    # only a leaf whose sharding changed is a copy of the engine's own.
+    now_owned.append(not (isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sh, x.ndim)))
+  return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), new), now_owned
+
+
+def tree_diff(got, want) -> str | None:
+  """The first difference of tree `got` from `want`, naming its path (keystr): a missing or
+  extra leaf, then a shape or dtype; None if they agree."""
+  got_flat, got_def = jax.tree_util.tree_flatten_with_path(got)
+  want_flat, want_def = jax.tree_util.tree_flatten_with_path(want)
+  got_at = {jax.tree_util.keystr(k): x for k, x in got_flat}
+  want_at = {jax.tree_util.keystr(k): x for k, x in want_flat}
+  missing = [k for k in want_at if k not in got_at]
+  extra = [k for k in got_at if k not in want_at]
+  if missing or extra:
+    return "; ".join(
+        f"{what} {ks[0]}" + (f" (and {len(ks) - 1} more)" if len(ks) > 1 else "")
+        for what, ks in (("missing", missing), ("unexpected", extra)) if ks)
+  if got_def != want_def:                    # same paths, other node types (e.g. a tuple)
+    return f"tree structure {got_def} differs from {want_def}"
+  for k, x in got_at.items():
+    a, b = _shape_dtype(x), _shape_dtype(want_at[k])
+    if a != b:
+      return f"{k} is {a[1]}{list(a[0])}, expected {b[1]}{list(b[0])}"
+  return None
+
+
+def _shape_dtype(x):
+  return np.shape(x), (x.dtype if hasattr(x, "dtype") else np.result_type(x))
+
+
+@functools.lru_cache(maxsize=16)
+def _finite_fns(out_sharding):
+  """jitted (leaves -> bool[n] all finite per leaf, leaf -> its non-finite count)."""
+  def count(x):
+    bad = ~jnp.isfinite(x)
+    if x.size < 2**31:
+      return jnp.sum(bad, dtype=jnp.int32)
+    return jnp.sum(jnp.sum(bad, axis=-1, dtype=jnp.int32), dtype=jnp.float32)  # 2**31+ values
+  kw = {} if out_sharding is None else {"out_shardings": out_sharding}
+  return (jax.jit(lambda xs: jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]), **kw),
+          jax.jit(count, **kw))
+
+
+def _devices(x):
+  """Host arrays: None; a jax.Array: the ordered devices one jitted call over it runs on."""
+  return x.sharding._device_assignment if isinstance(x, jax.Array) else None  # pylint: disable=protected-access
+
+
+def check_finite(params, what: str) -> None:
+  """Raises ValueError naming the first leaf (keystr) of `params` holding a NaN or inf, and
+  how many. Integer leaves pass. jax.Arrays (sharded global arrays too) are checked where they
+  live, by one jitted reduction per device assignment (one for a tree on one mesh) and one
+  host read; host arrays by NumPy (never copied to a device)."""
+  leaves = [(k, x) for k, x in jax.tree_util.tree_leaves_with_path(params)
+            if jnp.issubdtype(_shape_dtype(x)[1], jnp.inexact)]
+  groups = collections.defaultdict(list)
+  for i, (_, x) in enumerate(leaves):
+    groups[_devices(x)].append(i)
+  ok, fns = np.ones(len(leaves), bool), {}
+  for devices, idx in groups.items():
+    xs = [leaves[i][1] for i in idx]
+    if devices is None:
+      ok[idx] = [np.isfinite(np.asarray(x)).all() for x in xs]
+      continue
+    sh = xs[0].sharding
+    rep = NamedSharding(sh.mesh, P()) if isinstance(sh, NamedSharding) else None
+    fns[devices] = _finite_fns(rep)
+    ok[idx] = np.asarray(fns[devices][0](xs))
+  if ok.all():
+    return
+  path, x = leaves[int(np.argmin(ok))]
+  devices = _devices(x)
+  n = (int(np.count_nonzero(~np.isfinite(np.asarray(x)))) if devices is None
+       else int(fns[devices][1](x)))
+  raise ValueError(f"{what}: {jax.tree_util.keystr(path)} holds {n} non-finite values (NaN "
+                   f"or inf) of {np.size(x)}; refusing to serve them (diverged or corrupt "
+                   "weights?)")
