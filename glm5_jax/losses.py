@@ -7,11 +7,10 @@ Notation: b batch, t positions, d hidden, V vocab, h heads, s keys, k top-k.
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 
-from glm5_jax.padding import pad_to_multiple
+from glm5_jax import logprobs
 
 
 # --------------------------------------------------------------------------------------
@@ -31,36 +30,28 @@ def chunked_cross_entropy(hidden_btd, head_dv, targets_bt, mask_bt=None, *, chun
   """Cross entropy of `hidden @ head` computed `chunk_size` positions at a time.
 
   The float32 [b, t, V] logits never exist at once: each chunk's logits are
-  recomputed in the backward pass (`jax.checkpoint`), so peak memory is
-  O(b * chunk * V) (GLM-5 paper §2: sequence-chunked output projection + CE).
+  recomputed in the backward pass (`logprobs.chunked`), so peak memory is
+  O(b * chunk * V) (GLM-5 paper §2: sequence-chunked output projection + CE). Chunk j
+  holds positions j, j + n_chunks, ... (strided): a sequence sharded over devices (context
+  parallelism) stays sharded within every chunk instead of being gathered.
 
   Returns:
     (mean loss over mask, number of tokens).
   """
-  b, t, _ = hidden_btd.shape
-  c = max(1, min(chunk_size, t))
-  n_chunks = -(-t // c)
-  mask = jnp.ones((b, t), jnp.float32) if mask_bt is None else mask_bt.astype(jnp.float32)
-  # Chunk j holds positions j, j + n_chunks, ... (strided): a sequence sharded over devices
-  # (context parallelism) stays sharded within every chunk instead of being gathered.
-  strided = lambda x: jnp.moveaxis(
-      pad_to_multiple(x, c).reshape(b, c, n_chunks, *x.shape[2:]), 2, 0)
-  h_c, y_c, m_c = strided(hidden_btd), strided(targets_bt), strided(mask)
-
-  @jax.checkpoint
-  def chunk_nll(h_bcd, y_bc, m_bc):
-    logits = jnp.einsum("bcd,dv->bcv", h_bcd, head_dv.astype(h_bcd.dtype),
-                        preferred_element_type=jnp.float32)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, y_bc[..., None], axis=-1)[..., 0]
-    return jnp.sum((lse - picked) * m_bc)
-
-  def body(total, xs):
-    return total + chunk_nll(*xs), None
-
-  total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (h_c, y_c, m_c))
+  mask = (jnp.ones(targets_bt.shape, jnp.float32) if mask_bt is None
+          else mask_bt.astype(jnp.float32))
+  total = logprobs.chunked(_nll_sum, hidden_btd, head_dv, targets_bt, mask,
+                           chunk_size=chunk_size, strided=True, total=True)
   n = jnp.sum(mask)
   return total / jnp.maximum(n, 1.0), n
+
+
+def _nll_sum(logits_bcv, y_bc, m_bc):
+  """sum_i m_i * -log p(y_i) over a chunk, as logsumexp - logit[y]: the arithmetic every run
+  so far trained with (-`logprobs.of_logits` differs in the last bit)."""
+  lse = jax.nn.logsumexp(logits_bcv, axis=-1)
+  picked = jnp.take_along_axis(logits_bcv, y_bc[..., None], axis=-1)[..., 0]
+  return jnp.sum((lse - picked) * m_bc)
 
 
 def next_token_targets(tokens_bt, mask_bt=None, offset: int = 1, segment_ids=None):

@@ -8,7 +8,7 @@ the train side of the paper's train/rollout consistency check (GLM-5 §3: the tr
 recomputed log-probs and the engine's must agree; slime gates GLM-5 at |diff| < 1e-6).
 
 The [b, t, V] logits never exist at once: `token_logprobs` computes them `chunk_size`
-positions at a time and recomputes each chunk in the backward pass (as
+positions at a time and recomputes each chunk in the backward pass (`logprobs.chunked`, as
 `losses.chunked_cross_entropy`).
 
 Notation: b batch, t positions, d hidden, V vocab, L layers, K top-k.
@@ -20,10 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from glm5_jax import logprobs
 from glm5_jax import nn as gnn
 from glm5_jax import sharding as shd
 from glm5_jax.nn import context_parallel as cp
-from glm5_jax.padding import pad_to_multiple
 
 
 def token_logprobs(hidden_btd, head_dv, tokens_bt, *, chunk_size: int = 256):
@@ -31,30 +31,13 @@ def token_logprobs(hidden_btd, head_dv, tokens_bt, *, chunk_size: int = 256):
 
   hidden_btd: final-norm hidden states; head_dv: the lm_head kernel. Entry t uses
   hidden[:, t - 1]; entry 0 is 0 for both. Entropy is that of the full next-token
-  distribution at t - 1 (a diagnostic; it carries gradient like logp).
+  distribution at t - 1 (a diagnostic; it carries gradient like logp). Contiguous chunks of
+  the t - 1 predicting positions (`logprobs.chunked`).
   """
-  b, t, _ = hidden_btd.shape
-  h, y = hidden_btd[:, :-1], tokens_bt[:, 1:]
-  c = max(1, min(chunk_size, t - 1))
-  n = -(-(t - 1) // c)
-  h_c = pad_to_multiple(h, c).reshape(b, n, c, -1).swapaxes(0, 1)
-  y_c = pad_to_multiple(y, c).reshape(b, n, c).swapaxes(0, 1)
-
-  @jax.checkpoint
-  def chunk(args):
-    h_bcd, y_bc = args
-    logits = jnp.einsum("bcd,dv->bcv", h_bcd, head_dv.astype(h_bcd.dtype),
-                        preferred_element_type=jnp.float32)
-    logp_all = jax.nn.log_softmax(logits, axis=-1)
-    picked = jnp.take_along_axis(logp_all, y_bc[..., None], axis=-1)[..., 0]
-    ent = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
-    return picked, ent
-
-  picked, ent = jax.lax.map(chunk, (h_c, y_c))
-  unchunk = lambda x: x.swapaxes(0, 1).reshape(b, n * c)[:, :t - 1]
-  zero = jnp.zeros((b, 1), jnp.float32)
-  return (jnp.concatenate([zero, unchunk(picked)], axis=1),
-          jnp.concatenate([zero, unchunk(ent)], axis=1))
+  logp, ent = logprobs.chunked(logprobs.with_entropy, hidden_btd[:, :-1], head_dv,
+                               tokens_bt[:, 1:], chunk_size=chunk_size, strided=False)
+  zero = jnp.zeros((tokens_bt.shape[0], 1), jnp.float32)
+  return jnp.concatenate([zero, logp], axis=1), jnp.concatenate([zero, ent], axis=1)
 
 
 def policy_forward(params, tokens_bt, positions_bt, segment_ids_bt, *, cfg,

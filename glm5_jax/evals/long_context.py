@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from glm5_jax import logprobs
 from glm5_jax import nn as gnn
 from glm5_jax.data import corpus
 from glm5_jax.data import passkey as passkey_lib
@@ -48,8 +49,7 @@ def logits_fn(cfg):
 
 def token_nll(logits_btv, tokens_bt):
   """nll [b, t-1]: -log p(tokens[:, i+1] | tokens[:, :i+1]), i.e. of the token at i+1."""
-  logp = jax.nn.log_softmax(logits_btv[:, :-1].astype(jnp.float32), axis=-1)
-  return -jnp.take_along_axis(logp, tokens_bt[:, 1:, None], axis=-1)[..., 0]
+  return -logprobs.of_logits(logits_btv[:, :-1], tokens_bt[:, 1:])
 
 
 _token_nll_jit = jax.jit(token_nll)

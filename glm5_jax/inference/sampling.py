@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from glm5_jax import logprobs
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -91,9 +93,9 @@ def _is_real(x) -> bool:
 
 
 def raw_logprobs(logits_bv, tokens_b):
-  """log_softmax(logits)[token], float32 [b]: the raw policy log-prob."""
-  lp = jax.nn.log_softmax(logits_bv.astype(jnp.float32), axis=-1)
-  return jnp.take_along_axis(lp, tokens_b[..., None], axis=-1)[..., 0]
+  """log_softmax(logits)[token], float32 [b]: the raw policy log-prob, by the function the
+  trainer's log-probs use (`logprobs.of_logits`)."""
+  return logprobs.of_logits(logits_bv, tokens_b)
 
 
 def sampling_logprobs(logits_bv, temperature_b, top_k_b, top_p_b):

@@ -48,6 +48,7 @@ from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.sharding import PartitionSpec as P
 
 from glm5_jax import sharding as shd
+from glm5_jax.padding import add_rows, pad_to_multiple, rows, set_rows
 
 IMPLS = ("xla", "pallas")
 _SPLASH_BLOCK = 512        # splash tile (a multiple of 128 lanes)
@@ -80,28 +81,6 @@ def visibility_mask(start_bt, limit_bt, s: int):
 # XLA path: blockwise online softmax with a recomputing backward pass
 # --------------------------------------------------------------------------------------
 
-def _pad_rows(x, multiple: int, value=0):
-  """Pads axis 1 to a multiple of `multiple` with `value` (no copy when it already is one)."""
-  pad = (-x.shape[1]) % multiple
-  if pad == 0:
-    return x
-  return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=value)
-
-
-def _rows(x, i, size: int, axis: int = 1):
-  """x[:, i * size : (i + 1) * size] for a traced block index i."""
-  return jax.lax.dynamic_slice_in_dim(x, i * size, size, axis=axis)
-
-
-def _set_rows(x, i, size: int, block, axis: int = 1):
-  return jax.lax.dynamic_update_slice_in_dim(x, block.astype(x.dtype), i * size, axis=axis)
-
-
-def _add_rows(x, i, size: int, block, axis: int = 1):
-  """x[:, i * size : (i + 1) * size] += block, in place (a dynamic-update-slice)."""
-  return _set_rows(x, i, size, _rows(x, i, size, axis) + block.astype(x.dtype), axis)
-
-
 def _key_block_range(start_bq, limit_bq, block_k: int):
   """(first, end) key blocks one query block must visit: those between its smallest start
   and its largest limit. Rows that see nothing (start > limit; padding) do not count."""
@@ -121,9 +100,10 @@ def _tiles(q, k, v, start, limit, block_q: int, block_k: int):
   """(q, k, v padded to whole blocks, start, limit clipped to [0, s - 1], block_q, block_k)."""
   t, s = q.shape[1], k.shape[1]
   bq, bk = max(1, min(block_q, t)), max(1, min(block_k, s))
-  start = _pad_rows(jnp.maximum(start, 0), bq, 0)
-  limit = _pad_rows(jnp.minimum(limit, s - 1), bq, -1)        # padding rows see nothing
-  return (_pad_rows(q, bq), _pad_rows(k, bk), _pad_rows(v, bk), start, limit, bq, bk)
+  start = pad_to_multiple(jnp.maximum(start, 0), bq)
+  limit = pad_to_multiple(jnp.minimum(limit, s - 1), bq, value=-1)   # padding rows see nothing
+  return (pad_to_multiple(q, bq), pad_to_multiple(k, bk), pad_to_multiple(v, bk), start, limit,
+          bq, bk)
 
 
 def _kv_subscripts(k):
@@ -144,18 +124,18 @@ def _forward(q, k, v, start, limit, scale, block_q, block_k):
   ks, vs = _kv_subscripts(k)
 
   def query_block(i, bufs):
-    q_i, st_i, li_i = _rows(qp, i, bq), _rows(st, i, bq), _rows(li, i, bq)
+    q_i, st_i, li_i = rows(qp, i, bq), rows(st, i, bq), rows(li, i, bq)
 
     def key_block(j, carry):
       m, l, acc = carry
-      logits = jnp.einsum(f"bqhd,{ks}->bhqk", q_i, _rows(kp, j, bk),
+      logits = jnp.einsum(f"bqhd,{ks}->bhqk", q_i, rows(kp, j, bk),
                           preferred_element_type=acc_t) * scale
       logits = jnp.where(_tile_mask(st_i, li_i, j, bk), logits, -jnp.inf)
       m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
       m_use = jnp.where(jnp.isfinite(m_new), m_new, 0.0)   # rows with nothing seen yet
       p = jnp.exp(logits - m_use[..., None])
       alpha = jnp.exp(m - m_use)
-      pv = jnp.einsum(f"bhqk,{vs}->bhqe", p.astype(vp.dtype), _rows(vp, j, bk),
+      pv = jnp.einsum(f"bhqk,{vs}->bhqe", p.astype(vp.dtype), rows(vp, j, bk),
                       preferred_element_type=acc_t)
       return m_new, alpha * l + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv
 
@@ -166,8 +146,8 @@ def _forward(q, k, v, start, limit, scale, block_q, block_k):
     o = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), 0.0)
     o_buf, lse_buf = bufs
-    return (_set_rows(o_buf, i, bq, o.transpose(0, 2, 1, 3)),
-            _set_rows(lse_buf, i, bq, lse, axis=2))
+    return (set_rows(o_buf, i, bq, o.transpose(0, 2, 1, 3)),
+            set_rows(lse_buf, i, bq, lse, axis=2))
 
   n = qp.shape[1]
   o, lse = jax.lax.fori_loop(0, n // bq, query_block,
@@ -180,17 +160,17 @@ def _backward(q, k, v, start, limit, o, lse, do, scale, block_q, block_k):
   t, s = q.shape[1], k.shape[1]
   acc_t = _acc_dtype(q)
   qp, kp, vp, st, li, bq, bk = _tiles(q, k, v, start, limit, block_q, block_k)
-  do_p, o_p = _pad_rows(do.astype(o.dtype), bq), _pad_rows(o, bq)
+  do_p, o_p = pad_to_multiple(do.astype(o.dtype), bq), pad_to_multiple(o, bq)
   ks, vs = _kv_subscripts(k)
 
   def query_block(i, bufs):
-    q_i, do_i, lse_i = _rows(qp, i, bq), _rows(do_p, i, bq), _rows(lse, i, bq, axis=2)
-    st_i, li_i = _rows(st, i, bq), _rows(li, i, bq)
-    delta = jnp.einsum("bqhe,bqhe->bhq", _rows(o_p, i, bq), do_i, preferred_element_type=acc_t)
+    q_i, do_i, lse_i = rows(qp, i, bq), rows(do_p, i, bq), rows(lse, i, bq, axis=2)
+    st_i, li_i = rows(st, i, bq), rows(li, i, bq)
+    delta = jnp.einsum("bqhe,bqhe->bhq", rows(o_p, i, bq), do_i, preferred_element_type=acc_t)
 
     def key_block(j, carry):
       dq_i, dk, dv = carry
-      k_j, v_j = _rows(kp, j, bk), _rows(vp, j, bk)
+      k_j, v_j = rows(kp, j, bk), rows(vp, j, bk)
       logits = jnp.einsum(f"bqhd,{ks}->bhqk", q_i, k_j, preferred_element_type=acc_t) * scale
       p = jnp.where(_tile_mask(st_i, li_i, j, bk), jnp.exp(logits - lse_i[..., None]), 0.0)
       dv_j = jnp.einsum(f"bhqk,bqhe->{vs}", p.astype(do_i.dtype), do_i,
@@ -199,12 +179,12 @@ def _backward(q, k, v, start, limit, o, lse, do, scale, block_q, block_k):
       ds = (p * (dp - delta[..., None]) * scale).astype(q_i.dtype)
       dq_i = dq_i + jnp.einsum(f"bhqk,{ks}->bqhd", ds, k_j, preferred_element_type=acc_t)
       dk_j = jnp.einsum(f"bhqk,bqhd->{ks}", ds, q_i, preferred_element_type=acc_t)
-      return dq_i, _add_rows(dk, j, bk, dk_j), _add_rows(dv, j, bk, dv_j)
+      return dq_i, add_rows(dk, j, bk, dk_j), add_rows(dv, j, bk, dv_j)
 
     dq, dk, dv = bufs
     dq_i, dk, dv = jax.lax.fori_loop(*_key_block_range(st_i, li_i, bk), key_block,
                                      (jnp.zeros(q_i.shape, acc_t), dk, dv))
-    return _set_rows(dq, i, bq, dq_i), dk, dv
+    return set_rows(dq, i, bq, dq_i), dk, dv
 
   zeros = lambda a, dt: jnp.zeros(a.shape, dt)
   dq, dk, dv = jax.lax.fori_loop(0, qp.shape[1] // bq, query_block,

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from glm5_jax import sharding as shd
+from glm5_jax.padding import add_rows, chunks, pad_to_multiple, rows, set_rows, unchunk
 from pallas_kernels import lightning_indexer
 from pallas_kernels import sparse_attention
 
@@ -71,8 +72,8 @@ def sparse_mla(q, kv, indices, *, v_dim, scale, impl, interpret, chunk_size, bac
     return call(q, kv, indices)
   bat = shd.axes_dividing(mesh, shd.BATCH_AXES, q.shape[0])
   heads = shd.axes_dividing(mesh, (shd.TENSOR_AXIS,), q.shape[2])
-  rows = P(bat)
-  fn = jax.shard_map(call, in_specs=(P(bat, None, heads), rows, rows),
+  by_batch = P(bat)
+  fn = jax.shard_map(call, in_specs=(P(bat, None, heads), by_batch, by_batch),
                      out_specs=(P(bat, None, heads), P(bat, None, heads)), check_vma=False)
   return fn(q, kv, indices)
 
@@ -80,12 +81,6 @@ def sparse_mla(q, kv, indices, *, v_dim, scale, impl, interpret, chunk_size, bac
 # --------------------------------------------------------------------------------------
 # The indexer's KL loss (DeepSeek-V3.2 §2.1 eqs. 3-4; docs/design.md §2.5)
 # --------------------------------------------------------------------------------------
-
-def _pad_seq(x, multiple, value=0):
-  """x padded along axis 1 to a multiple of `multiple`."""
-  widths = [(0, 0)] * x.ndim
-  widths[1] = (0, (-x.shape[1]) % multiple)
-  return jnp.pad(x, widths, constant_values=value)
 
 def _masked_logits(logits, valid):
   """-inf outside `valid`; rows with nothing valid get zeros (no NaN, no NaN grads)."""
@@ -106,12 +101,6 @@ def _target(attn_logits_bchs, valid_bcs):
   p = jnp.sum(jax.nn.softmax(logits, axis=-1), axis=2)
   p = jnp.where(valid_bcs, p, 0.0)
   return p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), _KL_EPS)
-
-
-def _query_chunks(c, t, *arrays):
-  n = -(-t // c)
-  return [_pad_seq(a, c).reshape(a.shape[0], n, c, *a.shape[2:]).swapaxes(0, 1)
-          for a in arrays]
 
 
 def indexer_kl_dense(q_abs, kv, q_i, k_i, w_i, *, scale, indices=None, chunk_size=256,
@@ -153,31 +142,22 @@ def indexer_kl_dense(q_abs, kv, q_i, k_i, w_i, *, scale, indices=None, chunk_siz
   return _masked_mean(kl, mask_bt)
 
 
-def _rows(x, i, size: int):
-  """x[:, i * size : (i + 1) * size] for a traced block index i."""
-  return jax.lax.dynamic_slice_in_dim(x, i * size, size, axis=1)
-
-
-def _set_rows(x, i, size: int, block):
-  return jax.lax.dynamic_update_slice_in_dim(x, block.astype(x.dtype), i * size, axis=1)
-
-
 def _dense_kl_setup(q_i, k_i, w_i, q_abs, kv, start, limit, c, bk):
   """Operands padded to whole chunks / blocks (no copy when already whole), and for query
   chunk i its key blocks [first(i), end(i)): those between its smallest start and its
   largest limit (rows that see nothing, incl. padding rows with limit -1, do not count)."""
-  x = dict(qa=_pad_seq(q_abs, c), qi=_pad_seq(q_i, c), wi=_pad_seq(w_i, c),
-           st=_pad_seq(start, c), li=_pad_seq(limit, c, value=-1),
-           kv=_pad_seq(kv, bk), ki=_pad_seq(k_i, bk))
+  pad = pad_to_multiple
+  x = dict(qa=pad(q_abs, c), qi=pad(q_i, c), wi=pad(w_i, c), st=pad(start, c),
+           li=pad(limit, c, value=-1), kv=pad(kv, bk), ki=pad(k_i, bk))
 
   def key_range(i):
-    st, li = _rows(x["st"], i, c), _rows(x["li"], i, c)
+    st, li = rows(x["st"], i, c), rows(x["li"], i, c)
     seen = st <= li
     lo = jnp.min(jnp.where(seen, st, jnp.iinfo(jnp.int32).max))
     hi = jnp.max(jnp.where(seen, li, -1))
     return jnp.where(hi >= 0, lo // bk, 0), jnp.where(hi >= 0, hi // bk + 1, 0)
 
-  chunk = lambda i: {k: _rows(x[k], i, c) for k in ("qa", "qi", "wi", "st", "li")}
+  chunk = lambda i: {k: rows(x[k], i, c) for k in ("qa", "qi", "wi", "st", "li")}
   return x, chunk, key_range
 
 
@@ -185,9 +165,9 @@ def _kl_tile(x, ch, j, bk, scale):
   """Key block j of one query chunk: (valid [b,c,bk], attention logits [b,c,h,bk], key rows)."""
   pos = j * bk + jnp.arange(bk, dtype=jnp.int32)
   valid = (pos >= ch["st"][..., None]) & (pos <= ch["li"][..., None])
-  attn = jnp.einsum("bchd,bkd->bchk", ch["qa"], _rows(x["kv"], j, bk),
+  attn = jnp.einsum("bchd,bkd->bchk", ch["qa"], rows(x["kv"], j, bk),
                     preferred_element_type=jnp.float32) * scale
-  return valid, attn, _rows(x["ki"], j, bk)
+  return valid, attn, rows(x["ki"], j, bk)
 
 
 def _kl_p_q(valid, attn, scores, lse_a, lse_i):
@@ -241,7 +221,7 @@ def _dense_kl_forward(q_i, k_i, w_i, q_abs, kv, start, limit, scale, c, bk):
       return kl, w_sum + jnp.sum(p * q / (q + _KL_EPS), axis=-1)
 
     kl, w_sum = jax.lax.fori_loop(*key_range(i), terms, (zero(b, c), zero(b, c)))
-    return tuple(_set_rows(buf, i, c, v) for buf, v in zip(bufs, (kl, lse_a, lse_i, w_sum)))
+    return tuple(set_rows(buf, i, c, v) for buf, v in zip(bufs, (kl, lse_a, lse_i, w_sum)))
 
   zeros = lambda *sh: jnp.zeros(sh, jnp.float32)
   kl, *res = jax.lax.fori_loop(0, n // c, query_chunk,
@@ -264,11 +244,11 @@ def _dense_kl_rows_bwd(scale, c, bk, saved, g_bt):
   q_i, k_i, w_i, q_abs, kv, start, limit, (lse_a, lse_i, w_sum) = saved
   t, s = q_abs.shape[1], kv.shape[1]
   x, chunk, key_range = _dense_kl_setup(q_i, k_i, w_i, q_abs, kv, start, limit, c, bk)
-  g = _pad_seq(g_bt.astype(jnp.float32), c)
+  g = pad_to_multiple(g_bt.astype(jnp.float32), c)
 
   def query_chunk(i, bufs):
     ch = chunk(i)
-    la, lq, ws, gc = (_rows(a, i, c) for a in (lse_a, lse_i, w_sum, g))
+    la, lq, ws, gc = (rows(a, i, c) for a in (lse_a, lse_i, w_sum, g))
 
     def key_block(j, carry):
       dq, dw, dk = carry
@@ -276,13 +256,13 @@ def _dense_kl_rows_bwd(scale, c, bk, saved, g_bt):
       scores, pull = jax.vjp(lightning_indexer.index_scores, ch["qi"], ki, ch["wi"])
       p, q = _kl_p_q(valid, attn, scores, la, lq)
       dq_j, dk_j, dw_j = pull(gc[..., None] * (q * ws[..., None] - p * q / (q + _KL_EPS)))
-      dk = _set_rows(dk, j, bk, _rows(dk, j, bk) + dk_j.astype(dk.dtype))
+      dk = add_rows(dk, j, bk, dk_j)
       return dq + dq_j.astype(dq.dtype), dw + dw_j.astype(dw.dtype), dk
 
     f32 = lambda a: jnp.zeros(a.shape, jnp.float32)
     dq, dw, dk = jax.lax.fori_loop(*key_range(i), key_block, (f32(ch["qi"]), f32(ch["wi"]),
                                                                bufs[2]))
-    return _set_rows(bufs[0], i, c, dq), _set_rows(bufs[1], i, c, dw), dk
+    return set_rows(bufs[0], i, c, dq), set_rows(bufs[1], i, c, dw), dk
 
   zeros = lambda a, dt: jnp.zeros(a.shape, dt)
   dq, dw, dk = jax.lax.fori_loop(0, x["qa"].shape[1] // c, query_chunk,
@@ -302,9 +282,9 @@ def indexer_kl_dense_reference(q_abs, kv, q_i, k_i, w_i, *, scale, indices=None,
   s = kv.shape[1]
   q_abs, kv = jax.lax.stop_gradient(q_abs), jax.lax.stop_gradient(kv)
   c = max(1, min(chunk_size, t))
-  limit = _pad_seq(lightning_indexer.causal_limit(t, s)[None], c).reshape(-1, c)
+  limit = pad_to_multiple(lightning_indexer.causal_limit(t, s)[None], c).reshape(-1, c)
   start = jnp.zeros((b, t), jnp.int32) if doc_start is None else doc_start
-  qa_c, qi_c, wi_c, st_c = _query_chunks(c, t, q_abs, q_i, w_i, start)
+  qa_c, qi_c, wi_c, st_c = (chunks(a, c) for a in (q_abs, q_i, w_i, start))
 
   @jax.checkpoint
   def chunk_kl(args):
@@ -315,8 +295,7 @@ def indexer_kl_dense_reference(q_abs, kv, q_i, k_i, w_i, *, scale, indices=None,
     p = _target(attn, valid)
     return _kl(p, lightning_indexer.index_scores(qi, k_i, wi), valid)       # [b, c]
 
-  kl = jax.lax.map(chunk_kl, (qa_c, qi_c, wi_c, limit, st_c))
-  kl = kl.swapaxes(0, 1).reshape(b, -1)[:, :t]
+  kl = unchunk(jax.lax.map(chunk_kl, (qa_c, qi_c, wi_c, limit, st_c)), t)
   return _masked_mean(kl, mask_bt)
 
 
@@ -329,12 +308,12 @@ def indexer_kl_sparse(q_abs, kv, q_i, k_i, w_i, *, scale, indices, chunk_size=25
   `limit` are unused); memory O(b * chunk * k * (d + h)).
   """
   del doc_start, limit
-  b, t = q_abs.shape[:2]
+  t = q_abs.shape[1]
   q_abs, kv = jax.lax.stop_gradient(q_abs), jax.lax.stop_gradient(kv)
   c = max(1, min(chunk_size, t))
-  qa_c, qi_c, wi_c = _query_chunks(c, t, q_abs, q_i, w_i)
-  idx_c = _pad_seq(indices, c, value=-1).reshape(b, -1, c, indices.shape[-1]).swapaxes(0, 1)
-  take = jax.vmap(lambda rows, i: rows[jnp.maximum(i, 0)])
+  qa_c, qi_c, wi_c = (chunks(a, c) for a in (q_abs, q_i, w_i))
+  idx_c = chunks(indices, c, value=-1)
+  take = jax.vmap(lambda x, i: x[jnp.maximum(i, 0)])
 
   @jax.checkpoint
   def chunk_kl(args):
@@ -347,8 +326,7 @@ def indexer_kl_sparse(q_abs, kv, q_i, k_i, w_i, *, scale, indices, chunk_size=25
     scores = jnp.einsum("bcjk,bcj->bck", jax.nn.relu(qk), wi.astype(jnp.float32))
     return _kl(p, scores, valid)
 
-  kl = jax.lax.map(chunk_kl, (qa_c, qi_c, wi_c, idx_c))
-  kl = kl.swapaxes(0, 1).reshape(b, -1)[:, :t]
+  kl = unchunk(jax.lax.map(chunk_kl, (qa_c, qi_c, wi_c, idx_c)), t)
   return _masked_mean(kl, mask_bt)
 
 
