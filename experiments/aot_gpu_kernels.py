@@ -1,6 +1,6 @@
 r"""Ahead-of-time compile of the Pallas Triton kernels for an H200 (sm_90a), no GPU needed.
 
-`tests/test_kernels_export.py` stops at JAX's Pallas -> Triton IR lowering. This script
+`tests/pallas_kernels/test_export.py` stops at JAX's Pallas -> Triton IR lowering. This script
 goes on through Triton's own compiler (TTIR -> TTGIR -> LLVM -> PTX -> cubin) with the
 `triton` wheel from PyPI, then runs the wheel's `ptxas -v` on the PTX, and reports per
 kernel: registers/thread, spill bytes, shared memory (Triton's dynamic smem), GPU-scope

@@ -3,7 +3,7 @@ r"""Compiles the DSA kernels for a TPU with libtpu's compiler, on a host without
   bash launch/local.sh aot python -m experiments.aot_tpu_kernels \
       --topology=v5e:2x2 --lengths=4096,32768 --out=/tmp/aot_tpu.json
 
-`jax.export` (tests/test_kernels_export.py) runs only JAX's Pallas lowering. This
+`jax.export` (tests/pallas_kernels/test_export.py) runs only JAX's Pallas lowering. This
 script goes one step further: with `libtpu` installed (the `aot` venv of
 launch/local.sh), `jax.experimental.topologies.get_topology_desc` describes a
 TPU slice without owning one, and `jit(...).trace(...).lower(...).compile()`

@@ -11,7 +11,7 @@ resident memory over its operation is measured against its RSS just before it (f
 memory trimmed first; glm5_jax/memory.py: the kernel's high-water mark, reset through
 /proc/self/clear_refs). On fake CPU devices device memory is host memory,
 so the reader necessarily grows by the tree it now holds. The bound asserted by
-tests/test_rl_snapshots.py is 1.1 x (tree bytes the process's devices hold + the largest
+tests/rl/test_snapshots.py is 1.1 x (tree bytes the process's devices hold + the largest
 leaf). Prints a table and writes JSON (`--out`).
 """
 

@@ -12,7 +12,7 @@
                  (`policy.token_logprobs`) run through it.
 
 Bit for bit, not only in value: the rollout engine's log-probs must equal the trainer's
-(GLM-5 §3; tests/test_rl_grpo.py compares them at ATOL 0), and a run must not move when its
+(GLM-5 §3; tests/rl/test_grpo.py compares them at ATOL 0), and a run must not move when its
 code is reorganised. So each caller keeps its own arithmetic, chosen by arguments:
   - the statistic. The cross entropy sums logsumexp - logit[y] over each chunk (its
     `_nll_sum`); -of_logits, (logit[y] - max) - log sum exp(logit - max), rounds

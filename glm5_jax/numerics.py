@@ -11,7 +11,7 @@ batch of 1 and of 64. The engine decodes one row per request while the trainer r
 sequences, so on the main job's trained tiny model their log-probs differed by up to 4e-6,
 and the trainer's own log-probs moved by 1.7e-6 when its padding changed from 32 to 64.
 With YNNPACK fusions off, XLA:CPU's dots go to Eigen, which is row-invariant at these
-shapes: engine and trainer log-probs are then bitwise equal (tests/test_rl_grpo.py).
+shapes: engine and trainer log-probs are then bitwise equal (tests/rl/test_grpo.py).
 Speed is about the same (tiny train step 0.47 -> 0.57 s, small 15.2 -> 13.3 s here).
 Even with Eigen, a matmul of fewer than 8 rows may sum a row in another order than the same
 row in a larger matmul (Eigen's contraction then splits the summed dimension across

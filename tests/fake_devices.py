@@ -3,8 +3,9 @@
 import os
 import subprocess
 import sys
+from tests import paths
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = paths.ROOT
 
 
 def run_script(script: str, devices: int = 8, timeout: int = 900):

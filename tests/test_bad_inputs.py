@@ -1,8 +1,8 @@
 """Bad inputs a new user meets get one clear error naming the file or field: data
 directories reused with other sources, corrupt shards, a corrupt tokenizer.json.
 
-(The DSA top-k clamp is in test_indexer.py, the sampling fields in test_inference_sampling.py,
-the engine's malformed requests in test_inference_engine.py.)
+(The DSA top-k clamp is in nn/test_indexer.py, the sampling fields in inference/test_sampling.py,
+the engine's malformed requests in inference/test_engine.py.)
 """
 
 import json

@@ -44,7 +44,7 @@ from tests import seeding
 TARGETS = {"experts": 32, "all_linear": 16}           # target group -> group size on tiny
 # Engine vs trainer log-probs. The acceptance bound is 1e-6; on XLA:CPU the batch-invariant
 # engine dequantizes the same packed weights with the same function: 0, as in
-# tests/test_inference_engine.py.
+# tests/inference/test_engine.py.
 ATOL = 0.0
 
 

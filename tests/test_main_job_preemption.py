@@ -7,9 +7,9 @@ on CPU). The first test stops the job in a pretraining stage with post-training 
 second stops it twice, in SFT and in GRPO, and compares the post-training results too. The
 asynchronous stage is off there: which finished groups an update consumes depends on thread
 timing, so its results are not reproducible between two runs, interrupted or not
-(tests/test_rl_async.py checks its own SIGTERM and resume). After 8 SFT steps GRPO earns
+(tests/rl/test_async.py checks its own SIGTERM and resume). After 8 SFT steps GRPO earns
 no reward, so its updates are zero here: what this test checks in GRPO is that the resumed
-run samples the same prompts and responses (cursor and RNG); tests/test_rl_grpo.py checks a
+run samples the same prompts and responses (cursor and RNG); tests/rl/test_grpo.py checks a
 resume with non-zero updates.
 """
 
@@ -22,8 +22,8 @@ import time
 
 import pytest
 
-from tests import test_preemption as tp
-from tests import test_train as tt
+from tests.train import test_preemption as tp
+from tests.train import test_train as tt
 
 pytestmark = pytest.mark.slow
 data_dir = tp.data_dir

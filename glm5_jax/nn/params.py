@@ -38,7 +38,7 @@ def host_initializer(path, cfg):
   """numpy initializer following the modules' rule: `scale` -> 1, biases -> 0, else N(0, std).
 
   `path` is a jax key path; the rule looks at the leaf name only. Kept next to
-  `dense_init` so that both stay one rule (tests/test_model.py checks them).
+  `dense_init` so that both stay one rule (tests/nn/test_model.py checks them).
   """
   name = str(getattr(path[-1], "key", path[-1]))
   if name == "scale":

@@ -45,7 +45,7 @@ under `lax.map` over the stack axes, one layer's blocks at a time; the result is
 
 Sharding: the state mirrors the params (`state_shardings`). With heads sharded over a mesh
 axis, per-head Newton–Schulz is shard-local: the compiled update of a head-sharded `wq_b` holds
-no collective (checked in tests/test_optim_muon_split.py), and neither does per-expert NS on
+no collective (checked in tests/optim/test_muon_split.py), and neither does per-expert NS on
 expert-sharded experts. Whole-matrix NS on the same weights all-reduces X·Xᵀ over the head axis
 at every NS step (6 all-reduces: 5 steps + the Frobenius norm), as does any NS whose fan-in is
 sharded (e.g. FSDP on `q_lora`): that is `distribution="replicated"`. With

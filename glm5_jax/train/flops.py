@@ -31,12 +31,12 @@ K_vis counts causal visibility over the whole row, (T + 1) / 2 on average: with
 packed documents this is an upper bound (a query sees only its own document).
 `keys="all"` counts every key (T for dense, k for sparse), which is what one
 attention tile over the whole row computes (the comparison with XLA in
-tests/test_flops.py). Sparse attention counts min(k, visible) slots per query
+tests/train/test_flops.py). Sparse attention counts min(k, visible) slots per query
 under "causal".
 
 Not model FLOPs, so not counted: recomputation (the blockwise indexer KL's two passes, the
 checkpointed CE chunks, remat), and the padding rows of the MoE's CPU kernel
-(`nn/ffn.py` `blocked_swiglu` pads each expert's rows to whole blocks; tests/test_flops.py
+(`nn/ffn.py` `blocked_swiglu` pads each expert's rows to whole blocks; tests/train/test_flops.py
 adds them back to compare with XLA). In `dsa_warmup` the whole forward is counted, although the last MTP
 step's attention output and FFN feed nothing there; the sparse stages count the indexer
 KL's target logits although XLA may share them with the attention's.

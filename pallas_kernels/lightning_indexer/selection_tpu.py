@@ -24,7 +24,7 @@ selection on the scratch, vectorised over its 8 rows (each row's values are an
               the partner exchange; written as positions, -1 in empty slots.
 No scatter, sort, top_k or cumsum: rolls, selects, compare-adds, lane reductions
 and matmuls, which Mosaic lowers (checked by compiling for v5e / v5p,
-tests/test_kernels_aot.py).
+tests/pallas_kernels/test_aot.py).
 """
 
 from __future__ import annotations

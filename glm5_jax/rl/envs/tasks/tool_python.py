@@ -9,7 +9,7 @@ printed line exactly (surrounding whitespace ignored).
 
 The programs are ours, so the reference output is computed in-process (`_run`) instead of
 in the sandbox (writing thousands of SFT records would start thousands of sandboxes);
-tests/test_rl_tools.py checks that the sandbox prints the same.
+tests/rl/test_tools.py checks that the sandbox prints the same.
 """
 
 from __future__ import annotations

@@ -178,7 +178,7 @@ def test_a_wider_radix_selects_the_same():
 def test_random_scores_match_deterministic_topk(backend, rng):
   # Another (rows, s, k) than the special rows': 3 TPU lane blocks of 512, 3 GPU blocks of
   # 512, k_p = 256 on both; scores rounded to 1/64 so that some ties fall at the threshold.
-  # (k above s: tests/test_kernels_indexer.py, through the whole indexer.)
+  # (k above s: tests/pallas_kernels/test_indexer.py, through the whole indexer.)
   c, s, topk = 9, 1500, 130
   scores = np.round(rng.standard_normal((2, c, s)).astype(np.float32) * 64) / 64
   start = rng.integers(0, s // 4, (2, c)).astype(np.int32)

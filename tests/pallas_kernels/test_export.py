@@ -5,7 +5,7 @@ without hardware: the TPU lowering checks block shapes ((8, 128)-aligned or
 whole) and that every primitive has a Mosaic rule; the Triton lowering checks
 power-of-two tensor sizes and primitive support. The device compilers behind
 the custom calls (libtpu's Mosaic, Triton's PTX backend) run in
-tests/test_kernels_aot.py, in the `aot` venv.
+tests/pallas_kernels/test_aot.py, in the `aot` venv.
 
 Shapes are GLM-5's (docs/design.md §1): h=64, d_qk=576, v_dim=512, h_i=32, d_i=128,
 topk=2048, at a sequence length of 4096; the top-k selection also at GLM-5's longest

@@ -6,7 +6,7 @@ a TPU VM would, so VMEM overflows, ops Mosaic cannot lay out, and operands that
 XLA must pad in HBM show up without hardware. Needs libtpu, which lives in the
 second venv of launch/local.sh (it makes every jax import probe for a TPU):
 
-  bash launch/local.sh aot python -m pytest -q -m aot tests/test_kernels_aot.py
+  bash launch/local.sh aot python -m pytest -q -m aot tests/pallas_kernels/test_aot.py
 
 Shapes are GLM-5's at 32K context (h=64, d_qk=576, v_dim=512, topk=2048,
 h_i=32, d_i=128), bfloat16 activations.

@@ -17,6 +17,7 @@ import pytest
 from glm5_jax.rl.orchestration import local_backend
 from glm5_jax.rl.orchestration import weights as weights_lib
 from tests import seeding
+from tests import paths
 
 
 class ToyWorker:
@@ -216,11 +217,11 @@ def test_distributed_workers_are_processes_of_the_cluster(tmp_path, request):
   with socket.socket() as sock:
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = paths.ROOT
   env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)
   seed = seeding.seed_of(request.node.nodeid)
-  procs = [subprocess.Popen([sys.executable, "-m", "tests.test_rl_backends", str(port), str(i),
+  procs = [subprocess.Popen([sys.executable, "-m", "tests.rl.test_backends", str(port), str(i),
                              str(tmp_path / "w"), str(seed)], cwd=root, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
            for i in range(3)]

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from glm5_jax.train import preemption
-from tests import test_train as tt
+from tests.train import test_train as tt
 
 
 def test_sigterm_sets_the_flag_and_close_restores_the_handler():
@@ -101,7 +101,7 @@ def data_dir(tmp_path_factory):
 
 @pytest.mark.slow
 def test_sigterm_in_grpo_checkpoints_exits_zero_and_resumes_exactly(tmp_path, monkeypatch):
-  from tests import test_rl_grpo as trl  # pylint: disable=g-import-not-at-top
+  from tests.rl import test_grpo as trl  # pylint: disable=g-import-not-at-top
   from glm5_jax.rl.orchestration import grpo  # pylint: disable=g-import-not-at-top
   cfg = trl.config_lib.get_preset("tiny")
   init_from = trl.orbax_io.save_params(str(tmp_path / "init"), cfg,
@@ -146,7 +146,7 @@ def _grpo_cmd(workdir, init_from):
 def test_sigterm_to_one_of_two_grpo_processes_stops_both_at_one_step(tmp_path):
   from glm5_jax import config as config_lib, nn as gnn  # pylint: disable=g-import-not-at-top
   from glm5_jax import orbax_io  # pylint: disable=g-import-not-at-top
-  from tests import test_rl_grpo as trl  # pylint: disable=g-import-not-at-top
+  from tests.rl import test_grpo as trl  # pylint: disable=g-import-not-at-top
   cfg = config_lib.get_preset("tiny")
   init = orbax_io.save_params(str(tmp_path / "init"), cfg, gnn.init_params(cfg, 0))
   run = lambda wd, **kw: _run_two(wd, None, cmd=_grpo_cmd(wd, init), **kw)

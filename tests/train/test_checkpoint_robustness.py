@@ -15,8 +15,8 @@ import pytest
 
 from glm5_jax import orbax_io
 from glm5_jax.train import checkpoint as ckpt_lib
-from tests import test_train as tt
-from tests.test_preemption import data_dir  # pylint: disable=unused-import  (a fixture)
+from tests.train import test_train as tt
+from tests.train.test_preemption import data_dir  # pylint: disable=unused-import  (a fixture)
 
 
 def _state(rng, step):

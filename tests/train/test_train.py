@@ -17,8 +17,9 @@ import pytest
 
 from glm5_jax import train
 from glm5_jax.data import corpus
+from tests import paths
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = paths.ROOT
 FAST = ["--config.model.mtp_num_steps=1", "--config.seq_len=64", "--config.batch_size=8",
         "--config.log_every=1", "--config.eval_every=1000", "--config.eval_batches=1",
         "--config.tensorboard=False"]

@@ -6,7 +6,7 @@ batch axes, sparse-attention heads over `tensor` (dkv summed over `tensor` by
 the transpose). Runs in a subprocess with 8 fake CPU devices, kernels in
 interpret mode. The Triton lowering's interpreter is used: the TPU one simulates
 every DMA and takes minutes on 8 devices; the partitioning is the same for
-both, and tests/test_kernels_aot.py compiles the TPU kernels under a mesh.
+both, and tests/pallas_kernels/test_aot.py compiles the TPU kernels under a mesh.
 """
 
 import textwrap

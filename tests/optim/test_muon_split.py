@@ -22,6 +22,7 @@ from glm5_jax import nn
 from glm5_jax import optim
 from glm5_jax.config import get_preset
 from tests import seeding
+from tests import paths
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 # Five quintic NS steps map every normalized singular value in [0.05, 1] into [0.682, 1.134]
@@ -491,7 +492,7 @@ def _sharded_check():
 
 @pytest.mark.slow   # ~20 s in a subprocess; CI time budget
 def test_sharded_update_on_8_devices_equals_unsharded_and_per_head_ns_has_no_collectives():
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = paths.ROOT
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
              JAX_PLATFORMS="cpu",
              PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))

@@ -1,7 +1,7 @@
 """GLM chat rendering: token ids + loss mask, generation prompt, parsing, validation.
 
 Both tokenizers: bytes (special ids 256+) and a small byte-level BPE tokenizer.json built in
-tests/test_tokenizers.py (nothing downloaded).
+tests/data/test_tokenizers.py (nothing downloaded).
 """
 
 import zlib
@@ -12,7 +12,7 @@ import pytest
 from glm5_jax.data import chat
 from glm5_jax.data import tokenizers
 from glm5_jax.inference import GenerationOutput
-from tests.test_tokenizers import write_glm_tokenizer_json
+from tests.data.test_tokenizers import write_glm_tokenizer_json
 
 # A tool episode: system, user, a tool-call-only turn, results, an answer, a second user turn.
 CONV = {"id": "weather-0001", "messages": [

@@ -3,7 +3,7 @@ one-device update, on 8 fake CPU devices (subprocesses: the device count is fixe
 starts, tests/fake_devices.py).
 
 Reference: the one-device update (optax's Newton–Schulz on whole leaves, itself checked
-against float64 NumPy in tests/test_optim_muon_split.py). Float32 throughout; the owner sums
+against float64 NumPy in tests/optim/test_muon_split.py). Float32 throughout; the owner sums
 each Gram product in one place where the replicated update sums shard partials, so the two
 differ by float32 rounding: 1e-5 relative to each leaf's largest update.
 """
@@ -200,7 +200,7 @@ def check_resume(seed, workdir):
 
 
 def _run(call: str):
-  fake_devices.run_script(f"from tests.test_optim_muon_owner import *\n{call}\nprint('OK')",
+  fake_devices.run_script(f"from tests.optim.test_muon_owner import *\n{call}\nprint('OK')",
                           timeout=600)
 
 

@@ -7,7 +7,7 @@ kernels both decide the result; the top-k indices must be identical, the
 logits equal to float32 rounding (1e-5 of their magnitude) and the gradients
 to 1e-4. On a CPU host the model (`interpret=None`) runs the Triton kernels in
 the Pallas interpreter; the TPU kernels are tested op by op in interpret mode
-and compiled inside the model by tests/test_kernels_aot.py.
+and compiled inside the model by tests/pallas_kernels/test_aot.py.
 """
 
 import jax

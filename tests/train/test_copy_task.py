@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from glm5_jax.data import copy_task
+from tests import paths
 
 
 @pytest.mark.parametrize("seg_len,gap_len", [(6, 0), (5, 3), ((2, 9), (0, 4))])
@@ -73,7 +74,7 @@ def test_bad_lengths_are_refused_by_name(rng, kw, field):
 def _train_copy(tmp_path, *flags):
   return subprocess.run([sys.executable, "-m", "experiments.train_copy", f"--out={tmp_path}",
                          *flags], capture_output=True, text=True, timeout=600,
-                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                        cwd=paths.ROOT)
 
 
 def test_train_copy_refuses_an_unknown_override_by_name(tmp_path):

@@ -29,8 +29,9 @@ from glm5_jax.rl.orchestration import control
 from glm5_jax.rl.orchestration import ledger as ledger_lib
 from glm5_jax.train import metrics as metrics_lib
 from glm5_jax.train import preemption
+from tests import paths
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = paths.ROOT
 
 
 @pytest.fixture(scope="module")
@@ -250,7 +251,7 @@ def _ledger_state(workdir):
 
 
 def _async_proc(init_dir, workdir, total, every, **popen):
-  return subprocess.Popen([sys.executable, "-m", "tests.test_rl_async", init_dir, workdir,
+  return subprocess.Popen([sys.executable, "-m", "tests.rl.test_async", init_dir, workdir,
                            str(total), str(every)], cwd=ROOT, env=dict(os.environ,
                                                                        PYTHONPATH=ROOT),
                           text=True, **popen)
@@ -460,7 +461,7 @@ def test_distributed_pushes_of_a_1gib_model_stay_within_each_processs_share(tmp_
   _check_pushes(workdir, tree, largest)
 
 
-if __name__ == "__main__":   # python -m tests.test_rl_async INIT_DIR WORKDIR TOTAL CKPT_EVERY
+if __name__ == "__main__":   # python -m tests.rl.test_async INIT_DIR WORKDIR TOTAL CKPT_EVERY
   from glm5_jax import numerics  # pylint: disable=g-import-not-at-top
   numerics.batch_invariant_cpu()
   _c = small_config(sys.argv[1], checkpoint_every=int(sys.argv[4]))

@@ -215,7 +215,7 @@ def test_dense_layer_memory_grows_linearly_with_sequence_length(tiny_cfg):
 
 # --------------------------------------------------------------------------------------
 # TPU compiles on this CPU host (libtpu's compiler for a described v5e; the `aot` venv:
-#   bash launch/local.sh aot python -m pytest -q -m aot tests/test_attention.py)
+#   bash launch/local.sh aot python -m pytest -q -m aot tests/nn/test_attention.py)
 # --------------------------------------------------------------------------------------
 
 def _v5e_devices():

@@ -14,8 +14,9 @@ from configs import common
 from configs import pretrain
 from glm5_jax.data import corpus
 from glm5_jax.train import sweep
+from tests import paths
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = paths.ROOT
 TINY = "model=tiny,runlocal=True"
 
 
