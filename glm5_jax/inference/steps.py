@@ -40,8 +40,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from glm5_jax.inference import sampling
+from glm5_jax.nn import embed as embed_lib
 from glm5_jax.nn import kv_cache
 from glm5_jax.nn import model as model_lib
+from glm5_jax.nn import mtp as mtp_lib
 
 
 _INT_FIELDS = ("tok", "pos", "active", "n_gen", "budget", "seed", "req", "top_k")
@@ -84,7 +86,7 @@ def forward(cfg, block_size, params, cache, table_bm, tokens_bt, start_b, n_vali
 
 def head(cfg, params, normed):
   """float32 logits [.., V]: the trainer's lm_head."""
-  return model_lib.Head(cfg).apply({"params": params["lm_head"]}, normed)
+  return embed_lib.Head(cfg).apply({"params": params["lm_head"]}, normed)
 
 
 def mtp(cfg, block_size, params, cache, table_bm, next_tokens_bt, h_prev_btd, start_b,
@@ -92,8 +94,8 @@ def mtp(cfg, block_size, params, cache, table_bm, next_tokens_bt, h_prev_btd, st
   """The MTP layer over a chunk of rows start[b] + i. Returns (h, logits, updated cache)."""
   idx = kv_cache.chunk_index(table_bm, block_size, start_b, n_valid_b, next_tokens_bt.shape[1],
                              num_rows(cache), first_valid_b)
-  h, logits, mtp_cache = model_lib.mtp_step(cfg, params, next_tokens_bt, h_prev_btd,
-                                            idx.limit_bt, cache["mtp"], idx)
+  h, logits, mtp_cache = mtp_lib.mtp_step(cfg, params, next_tokens_bt, h_prev_btd,
+                                          idx.limit_bt, cache["mtp"], idx)
   return h, logits, {**cache, "mtp": mtp_cache}
 
 

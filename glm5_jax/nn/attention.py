@@ -9,7 +9,7 @@ query i sits at key i:
          block of t queries may sit at the end of s keys (chunked prefill) or,
          under context parallelism, anywhere in the sequence;
   start  first visible key: the query's document start for packed rows
-         (`model.document_starts`), 0 by default.
+         (`layer_io.document_starts`), 0 by default.
 A query with start > limit sees nothing and gets a zero output.
 
 `flash_attention` is the XLA path (every backend): FlashAttention-2 (Dao, 2023,
@@ -246,7 +246,7 @@ def splash_attention(q_bthd, k_bshd, v_bshe, *, scale: float, doc_start_bt=None,
     q_bthd, k_bshd, v_bshe: as in `flash_attention`, with t == s.
     scale: logit scale (folded into q: splash applies none).
     doc_start_bt: optional int32 [b, t] document start of each position
-      (`model.document_starts`); it serves as the segment id of the query and of the key.
+      (`layer_io.document_starts`); it serves as the segment id of the query and of the key.
     interpret: run the kernel in Pallas interpret mode (CPU tests).
   """
   b, t, h, _ = q_bthd.shape

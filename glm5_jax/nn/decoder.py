@@ -11,6 +11,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 
 from glm5_jax.nn import ffn
+from glm5_jax.nn import layer_io
 from glm5_jax.nn import mla as mla_lib
 from glm5_jax.nn import moe as moe_lib
 from glm5_jax.nn import norms
@@ -19,34 +20,36 @@ _ACT = ("activation_batch", "activation_length", "activation_embed")
 
 
 class DecoderLayer(nn.Module):
-  """Returns (h [b,t,d], top-k indices or None, indexer KL or None, expert load [E] or None,
-  updated cache or None, routed expert ids [b,t,K] or None). `cache`, `cache_index`: this
-  layer's KV pool (nn/kv_cache.py); `replay`: MoE experts to use (rollout routing replay,
-  nn/moe.py `route`); `experts_stack`: the MoE's experts as its whole scanned stack and this
-  layer's index in it (the engine's forward, nn/moe.py `select_dispatch`)."""
+  """Returns (h [b,t,d], LayerAux (nn/layer_io.py), updated cache or None).
+
+  `inputs`: the forward pass's LayerInputs; `prev_indices`: the previous layer's top-k
+  (an IndexShare "shared" layer reuses it); `cache`: this layer's KV pool (nn/kv_cache.py);
+  `replay`: MoE experts to use (rollout routing replay, nn/moe.py `route`); `experts_stack`:
+  the MoE's experts as its whole scanned stack and this layer's index in it (the engine's
+  forward, nn/moe.py `select_dispatch`).
+  """
   cfg: "ModelConfig"  # noqa: F821
   moe: bool
   has_indexer: bool = True
 
   @nn.compact
-  def __call__(self, h_btd, cos, sin, prev_indices=None, doc_start=None,
-               with_indexer_loss=False, order=None, cache=None, cache_index=None, replay=None,
-               experts_stack=None):
+  def __call__(self, h_btd, inputs: layer_io.LayerInputs, prev_indices=None, cache=None,
+               replay=None, experts_stack=None):
     cfg = self.cfg
     h_btd = checkpoint_name(nn.with_logical_constraint(h_btd, _ACT), "decoder_layer_input")
     x = norms.RMSNorm(cfg.rms_norm_eps, param_dtype=cfg.param_dtype, name="input_norm")(h_btd)
-    attn, indices, kl, cache = mla_lib.MLA(cfg, self.has_indexer, name="attn")(
-        x, cos, sin, prev_indices=prev_indices, doc_start=doc_start,
-        with_indexer_loss=with_indexer_loss, order=order, cache=cache, cache_index=cache_index)
+    attn, aux, cache = mla_lib.MLA(cfg, self.has_indexer, name="attn")(
+        x, inputs, prev_indices=prev_indices, cache=cache)
     h_btd = h_btd + checkpoint_name(attn, "attention_out").astype(h_btd.dtype)
     x = norms.RMSNorm(cfg.rms_norm_eps, param_dtype=cfg.param_dtype,
                       name="post_attention_norm")(h_btd)
     if self.moe:
       y, load, ids = moe_lib.MoE(cfg, name="moe")(x, replay, cache is not None, experts_stack)
+      aux = aux.replace(expert_load=load, routing=ids)
     else:
-      y, load, ids = ffn.MLP(cfg, cfg.intermediate_size, name="mlp")(x), None, None
+      y = ffn.MLP(cfg, cfg.intermediate_size, name="mlp")(x)
     h_btd = h_btd + y.astype(h_btd.dtype)
-    return nn.with_logical_constraint(h_btd, _ACT), indices, kl, load, cache, ids
+    return nn.with_logical_constraint(h_btd, _ACT), aux, cache
 
 
 def _offload(*names):
@@ -70,7 +73,9 @@ REMAT_POLICIES = {
 
 
 def remat_layer(cfg):
-  """DecoderLayer wrapped by the remat policy `cfg.remat` (`REMAT_POLICIES`)."""
+  """DecoderLayer wrapped by the remat policy `cfg.remat` (`REMAT_POLICIES`). Its one static
+  input, `LayerInputs.with_indexer_loss`, is a static field of the inputs' pytree: no
+  `static_argnums`."""
   if cfg.remat == "none":
     return DecoderLayer
-  return nn.remat(DecoderLayer, policy=REMAT_POLICIES[cfg.remat](), static_argnums=(6,))
+  return nn.remat(DecoderLayer, policy=REMAT_POLICIES[cfg.remat]())

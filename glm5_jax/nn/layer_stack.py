@@ -31,6 +31,7 @@ import numpy as np
 from glm5_jax.nn import decoder as decoder_lib
 from glm5_jax.nn import indexer as indexer_lib
 from glm5_jax.nn import kv_cache
+from glm5_jax.nn import layer_io
 
 LAYERS_AXIS = "layers"              # logical name of the stacked axis
 STACK_NAMES = ("dense_layers", "moe_layers")
@@ -110,59 +111,55 @@ class LayerBlock(nn.Module):
   """One repeat of a stack's block: the body of the scan.
 
   carry: (h [b,t,d], top-k indices [b,t,k] int32 or None, the stack's KV pools or None).
-  Outputs per repeat: the indexer KL of each block layer `kl [p]` (0 where the layer has no
-  indexer), the expert load of each MoE layer `load [p_moe, E]`, with `return_topk` the
-  top-k of each layer, with `return_routing` the routed experts of each MoE layer
-  `routing [p_moe, b, t, K]`. The KV pools ([R, N, x] per block layer, nn/kv_cache.py) ride
-  in the carry whole: `repeat` (int32 [], this repeat's index) is the entry each layer
-  writes and reads in place (`CacheIndex.layer`). `replay`: [p_moe, b, t, K] experts each MoE
-  layer of the block uses (routing replay), or None. `experts`: with a cache, {block layer
-  name: (w_gate, w_up, w_down)} the stack's routed experts whole [R, E, ...]: each MoE layer
-  reads its own experts out of them at `repeat` (`stack_experts`).
+  Outputs per repeat: a LayerAux (nn/layer_io.py) stacked over the block's layers: the
+  indexer KL of each layer `[p]` (0 where the layer has none), the expert load of each MoE
+  layer `[p_moe, E]`, with `return_routing` the routed experts of each MoE layer
+  `[p_moe, b, t, K]`, with `return_topk` the top-k of each layer `[p, b, t, k]`. The KV
+  pools ([R, N, x] per block layer, nn/kv_cache.py) ride in the carry whole: `repeat`
+  (int32 [], this repeat's index) is the entry each layer writes and reads in place
+  (`CacheIndex.layer`). `replay`: [p_moe, b, t, K] experts each MoE layer of the block uses
+  (routing replay), or None. `experts`: with a cache, {block layer name: (w_gate, w_up,
+  w_down)} the stack's routed experts whole [R, E, ...]: each MoE layer reads its own
+  experts out of them at `repeat` (`stack_experts`).
   """
   cfg: Any
   block: tuple[LayerKind, ...]
-  with_indexer_loss: bool = False
   return_topk: bool = False
   return_routing: bool = False
 
   @nn.compact
-  def __call__(self, carry, cos, sin, doc_start, order, repeat, cache_index, replay,
-               experts=None):
+  def __call__(self, carry, inputs: layer_io.LayerInputs, repeat, replay, experts=None):
     h, indices, cache = carry
     layer_cls = decoder_lib.remat_layer(self.cfg)
     if cache is not None:
-      cache_index = cache_index._replace(layer=repeat)
+      inputs = inputs.replace(cache_index=inputs.cache_index._replace(layer=repeat))
     kls, loads, topk, routing, caches = [], [], [], [], {}
     for j, kind in enumerate(self.block):
       name = f"layer_{j}"
       rep = None if replay is None or not kind.moe else replay[len(loads)]
       stack = (experts[name], repeat) if experts and name in experts else None
-      h, idx, kl, load, caches[name], ids = layer_cls(
+      h, aux, caches[name] = layer_cls(
           self.cfg, moe=kind.moe, has_indexer=kind.has_indexer, name=name)(
-              h, cos, sin, indices, doc_start, self.with_indexer_loss, order,
-              None if cache is None else cache[name], cache_index, rep, stack)
-      indices = idx if idx is not None else indices
-      kls.append(jnp.zeros((), jnp.float32) if kl is None else kl)
-      if load is not None:
-        loads.append(load)
-        routing.append(ids)
-      topk.append(idx)
-    ys = {"kl": jnp.stack(kls)}
-    if loads:
-      ys["load"] = jnp.stack(loads)
-    if self.return_routing and routing:
-      ys["routing"] = jnp.stack(routing)
-    if self.return_topk and topk[0] is not None:
-      ys["topk"] = jnp.stack(topk)
-    return (h, indices, None if cache is None else caches), ys
+              h, inputs, prev_indices=indices, cache=None if cache is None else cache[name],
+              replay=rep, experts_stack=stack)
+      indices = aux.topk_indices if aux.topk_indices is not None else indices
+      kls.append(jnp.zeros((), jnp.float32) if aux.indexer_kl is None else aux.indexer_kl)
+      if aux.expert_load is not None:
+        loads.append(aux.expert_load)
+        routing.append(aux.routing)
+      topk.append(aux.topk_indices)
+    return (h, indices, None if cache is None else caches), layer_io.LayerAux(
+        indexer_kl=jnp.stack(kls),
+        expert_load=jnp.stack(loads) if loads else None,
+        routing=jnp.stack(routing) if self.return_routing and routing else None,
+        topk_indices=jnp.stack(topk) if self.return_topk and topk[0] is not None else None)
 
 
 def scanned(stack: LayerStack):
   """`LayerBlock` scanned `stack.repeats` times, parameters stacked on the `layers` axis."""
   return nn.scan(LayerBlock, variable_axes={"params": 0, "intermediates": 0},
                  split_rngs={"params": True},
-                 in_axes=(nn.broadcast,) * 4 + (0, nn.broadcast, 0, nn.broadcast),
+                 in_axes=(nn.broadcast, 0, 0, nn.broadcast),
                  length=stack.repeats, metadata_params={nn.PARTITION_NAME: LAYERS_AXIS})
 
 
@@ -185,20 +182,21 @@ def num_moe_layers(cfg) -> int:
   return sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
 
 
-def run_stacks(module: nn.Module, cfg, h, cos, sin, doc_start, order, *, with_indexer_loss,
-               return_topk, cache=None, cache_index=None, return_routing=False, replay=None):
+def run_stacks(module: nn.Module, cfg, h, inputs: layer_io.LayerInputs, *, return_topk,
+               cache=None, return_routing=False, replay=None):
   """All decoder layers of `cfg`, one scan per stack, as submodules of `module`.
 
   cache: {stack name: stacked per-layer pools} (nn/kv_cache.py), read and written in place.
   replay: int32 [L_moe, b, t, K] experts of every MoE layer in layer order (routing replay;
     rows of -1 route as usual), or None.
 
-  Returns (h, per-layer KL [L], expert load [L_moe, E], per-layer top-k tuple (entries None
-  under dense attention), updated cache or None, routed experts [L_moe, b, t, K] int32 (with
-  `return_routing`) or None).
+  Returns (h, LayerAux over all layers, updated cache or None). The LayerAux holds the
+  indexer KL [L] (0 on layers without one), the expert load [L_moe, E], the top-k as a
+  tuple of L entries [b, t, k] (None under dense attention) and, with `return_routing`,
+  the routed experts [L_moe, b, t, K] int32.
   """
   b, t, _ = h.shape
-  s = t if cache_index is None else cache_index.read_bs.shape[1]   # keys each query sees
+  s = t if inputs.cache_index is None else inputs.cache_index.read_bs.shape[1]  # keys seen
   indices = (jnp.full((b, t, indexer_lib.num_slots(cfg.index_topk, s)), -1, jnp.int32)
              if cfg.attention_type == "sparse" else None)
   kls, loads, topk, routing, new_cache = [], [], [], [], {}
@@ -210,29 +208,29 @@ def run_stacks(module: nn.Module, cfg, h, cos, sin, doc_start, order, *, with_in
       rep = replay[row:row + st.repeats * n_moe]
       rep = rep.reshape(st.repeats, n_moe, *rep.shape[1:])
     row += st.repeats * n_moe
-    block = scanned(st)(cfg, st.block, with_indexer_loss, return_topk, return_routing,
-                        name=st.name, parent=module)
+    block = scanned(st)(cfg, st.block, return_topk, return_routing, name=st.name,
+                        parent=module)
     pools = None if cache is None else cache[st.name]
     repeats = None if cache is None else jnp.arange(st.repeats, dtype=jnp.int32)
     experts = None if cache is None else stack_experts(module, st)
-    (h, indices, pools), ys = block((h, indices, pools), cos, sin, doc_start, order, repeats,
-                                    cache_index, rep, experts)
+    (h, indices, pools), ys = block((h, indices, pools), inputs, repeats, rep, experts)
     if cache is not None:
       new_cache[st.name] = pools
-    kls.append(ys["kl"].reshape(-1))
-    if "load" in ys:
-      loads.append(ys["load"].reshape(-1, ys["load"].shape[-1]))
-    if "routing" in ys:
-      routing.append(ys["routing"].reshape(-1, *ys["routing"].shape[2:]))
-    if "topk" in ys:
-      topk.extend(list(ys["topk"].reshape(-1, *ys["topk"].shape[2:])))
+    kls.append(ys.indexer_kl.reshape(-1))
+    if ys.expert_load is not None:
+      loads.append(ys.expert_load.reshape(-1, ys.expert_load.shape[-1]))
+    if ys.routing is not None:
+      routing.append(ys.routing.reshape(-1, *ys.routing.shape[2:]))
+    if ys.topk_indices is not None:
+      topk.extend(list(ys.topk_indices.reshape(-1, *ys.topk_indices.shape[2:])))
     else:
       topk.extend([None] * st.num_layers)
   load = (jnp.concatenate(loads) if loads
           else jnp.zeros((0, cfg.n_routed_experts), jnp.float32))
-  routing = jnp.concatenate(routing) if routing else None
-  return (h, jnp.concatenate(kls), load, tuple(topk),
-          (new_cache if cache is not None else None), routing)
+  aux = layer_io.LayerAux(indexer_kl=jnp.concatenate(kls), expert_load=load,
+                          routing=jnp.concatenate(routing) if routing else None,
+                          topk_indices=tuple(topk))
+  return h, aux, (new_cache if cache is not None else None)
 
 
 def init_cache(cfg, num_rows: int, with_mtp: bool = False, kv_dtype=None):

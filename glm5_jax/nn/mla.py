@@ -30,6 +30,7 @@ from glm5_jax.nn import context_parallel as cp
 from glm5_jax.nn import dsa
 from glm5_jax.nn import indexer as indexer_lib
 from glm5_jax.nn import kv_cache
+from glm5_jax.nn import layer_io
 from glm5_jax.nn import norms
 from glm5_jax.nn import params as P
 from glm5_jax.nn import rope
@@ -141,7 +142,8 @@ def mla_sparse_attention(cfg, q_nope, q_rope, kv, w_uk, w_uv, indices_btk):
 class MLA(nn.Module):
   """MLA + DSA for one layer.
 
-  Returns (out [b,t,d], top-k indices or None, indexer KL or None, updated cache or None).
+  Returns (out [b,t,d], LayerAux with the top-k indices and the indexer KL (nn/layer_io.py),
+  updated cache or None).
 
   Attributes:
     cfg: ModelConfig.
@@ -151,17 +153,19 @@ class MLA(nn.Module):
   has_indexer: bool = True
 
   @nn.compact
-  def __call__(self, x_btd, cos, sin, *, prev_indices=None, doc_start=None,
-               with_indexer_loss=False, order=None, cache=None, cache_index=None):
-    """order: int32 [t], context parallelism's row layout (nn/context_parallel.py): the
-    keys (latent rows, indexer keys) are gathered back to natural order and query i sees
-    keys doc_start[i] <= j <= order[i].
+  def __call__(self, x_btd, inputs: layer_io.LayerInputs, *, prev_indices=None, cache=None):
+    """inputs.order: context parallelism's row layout (nn/context_parallel.py): the keys
+    (latent rows, indexer keys) are gathered back to natural order and query i sees keys
+    doc_start[i] <= j <= order[i].
 
-    cache, cache_index: this layer's pool {'kv', 'k_idx'} (its stack's, [R, N, x], with
-    `cache_index.layer` its entry) and where the new tokens go (nn/kv_cache.py). The new rows are written first; attention and the indexer then run
-    over each sequence's view of the pool, query i seeing positions 0 .. limit[b, i].
-    The fourth output is the updated pool (None without a cache).
+    cache, inputs.cache_index: this layer's pool {'kv', 'k_idx'} (its stack's, [R, N, x],
+    with `cache_index.layer` its entry) and where the new tokens go (nn/kv_cache.py). The
+    new rows are written first; attention and the indexer then run over each sequence's
+    view of the pool, query i seeing positions 0 .. limit[b, i]. The third output is the
+    updated pool (None without a cache).
     """
+    cos, sin, doc_start, order = inputs.cos, inputs.sin, inputs.doc_start, inputs.order
+    cache_index = inputs.cache_index
     cfg = self.cfg
     dt = jnp.dtype(cfg.dtype)
     h, n, p, v = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
@@ -236,11 +240,11 @@ class MLA(nn.Module):
     out = jnp.einsum("bthv,hvd->btd", o, wo.astype(dt))
 
     kl = None
-    if with_indexer_loss and self.has_indexer:
+    if inputs.with_indexer_loss and self.has_indexer:
       q_abs = absorb_query(q_nope, q_rope, w_uk)
       kl_fn = dsa.indexer_kl_dense if cfg.attention_type == "dense" else dsa.indexer_kl_sparse
       kl = local(lambda qa, qi, wi, st, li, idx, kv_, ki: kl_fn(
           qa, kv_, qi, ki, wi, scale=cfg.softmax_scale, indices=idx,
           chunk_size=cfg.attention_chunk_size, doc_start=st, limit=li),
                  (q_abs, q_i, w_i, doc_start, limit, indices), (kv, k_i))
-    return out, indices, kl, new_cache
+    return out, layer_io.LayerAux(indexer_kl=kl, topk_indices=indices), new_cache

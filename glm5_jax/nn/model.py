@@ -25,12 +25,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glm5_jax.nn import context_parallel as cp
+from glm5_jax.nn import embed as embed_lib
+from glm5_jax.nn import layer_io
 from glm5_jax.nn import layer_stack
 from glm5_jax.nn import mtp as mtp_lib
 from glm5_jax.nn import norms
 from glm5_jax.nn import params as P
-from glm5_jax.nn import rope
 
 
 @flax.struct.dataclass
@@ -67,32 +67,6 @@ class ModelOutput:
   topk_indices: Any = None
   last_hidden: Any = None
   routing: Any = None
-
-
-class Embed(nn.Module):
-  cfg: "ModelConfig"  # noqa: F821
-
-  @nn.compact
-  def __call__(self, tokens_bt):
-    cfg = self.cfg
-    table = P.param(self, "embedding", P.dense_init(cfg), (cfg.vocab_size, cfg.hidden_size),
-                    ("vocab", "embed"), cfg.param_dtype)
-    return jnp.take(table, tokens_bt, axis=0).astype(cfg.dtype)
-
-
-class Head(nn.Module):
-  """lm_head: float32 logits [.., V] = h [.., d] @ kernel [d, V]."""
-  cfg: "ModelConfig"  # noqa: F821
-
-  @nn.compact
-  def __call__(self, h, return_logits=True):
-    cfg = self.cfg
-    kernel = P.param(self, "kernel", P.dense_init(cfg), (cfg.hidden_size, cfg.vocab_size),
-                     ("embed", "vocab"), cfg.param_dtype)
-    if not return_logits:
-      return None
-    return jnp.einsum("...d,dv->...v", h, kernel.astype(h.dtype),
-                      preferred_element_type=jnp.float32)
 
 
 def _check_tokens(cfg, tokens):
@@ -134,7 +108,7 @@ class GLM5(nn.Module):
         go (`kv_cache.CacheIndex`; `positions` are then the tokens' absolute positions).
         The decoder layers write their rows and attend over the cached sequence; the MTP
         steps do not run (the engine runs the MTP layer over its own cache with
-        `mtp_step`). Returns (ModelOutput, updated cache).
+        `mtp.mtp_step`). Returns (ModelOutput, updated cache).
       return_routing: return each MoE layer's routed experts (`ModelOutput.routing`).
       routing_replay: int32 [L_moe, b, t, K] experts for the MoE layers to use instead of
         their own top-K (rollout routing replay: the engine's recorded routing; -1 rows route
@@ -151,10 +125,10 @@ class GLM5(nn.Module):
     b, t = tokens.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    cos, sin = rope.rope_angles(positions, cfg.qk_rope_head_dim, cfg.rope_theta)
-    doc_start = None if segment_ids is None else _document_starts(segment_ids, order)
-    embed = Embed(cfg, name="embed")
-    head = Head(cfg, name="lm_head")
+    inputs = layer_io.LayerInputs.create(cfg, positions, segment_ids, order, cache_index,
+                                         with_indexer_loss)
+    embed = embed_lib.Embed(cfg, name="embed")
+    head = embed_lib.Head(cfg, name="lm_head")
     final_norm = norms.RMSNorm(cfg.rms_norm_eps, param_dtype=cfg.param_dtype, name="final_norm")
     h = embed(tokens)
     if routing_replay is not None:
@@ -162,82 +136,28 @@ class GLM5(nn.Module):
       if tuple(routing_replay.shape) != want:
         raise ValueError(f"routing_replay: shape {tuple(routing_replay.shape)}, expected "
                          f"[L_moe, b, t, K] = {list(want)}")
-    h, kls, expert_load, all_idx, new_cache, routing = layer_stack.run_stacks(
-        self, cfg, h, cos, sin, doc_start, order, with_indexer_loss=with_indexer_loss,
-        return_topk=return_topk, cache=None if cache is None else cache["layers"],
-        cache_index=cache_index, return_routing=return_routing, replay=routing_replay)
-    h_final = h
+    h, aux, new_cache = layer_stack.run_stacks(
+        self, cfg, h, inputs, return_topk=return_topk,
+        cache=None if cache is None else cache["layers"], return_routing=return_routing,
+        replay=routing_replay)
     hidden = final_norm(h)
-    logits = head(hidden, return_logits)
+    out = ModelOutput(
+        logits=head(hidden, return_logits), mtp_logits=None, hidden=hidden, mtp_hidden=None,
+        indexer_kl=aux.indexer_kl if with_indexer_loss else None, mtp_indexer_kl=None,
+        expert_load=aux.expert_load, mtp_expert_load=None,
+        topk_indices=aux.topk_indices if return_topk else None, last_hidden=h,
+        routing=aux.routing)
+    if cache is not None:
+      return out, {**cache, "layers": new_cache}
 
     run_mtp = cfg.has_mtp if mtp is None else (mtp and cfg.has_mtp)
-    if cache is not None:
-      out = ModelOutput(logits=logits, mtp_logits=None, hidden=hidden, mtp_hidden=None,
-                        indexer_kl=None, mtp_indexer_kl=None, expert_load=expert_load,
-                        mtp_expert_load=None, topk_indices=all_idx if return_topk else None,
-                        last_hidden=h_final, routing=routing)
-      return out, {**cache, "layers": new_cache}
-    mtp_logits = mtp_hidden = mtp_kl = mtp_load = None
     if cfg.num_nextn_predict_layers and (run_mtp or self.is_initializing()):
-      step = mtp_lib.MTPStep(cfg, name="mtp")                # one module, D calls: shared weights
-      hs, normed, step_kl, step_load = h_final, [], [], []
-      for k in range(1, max(cfg.mtp_num_steps, 1) + 1):
-        emb_k = embed(_shifted(tokens, k, order))
-        hs, n_k, _, kl, load, _ = step(emb_k, hs, cos, sin, doc_start, with_indexer_loss,
-                                       order)
-        normed.append(n_k)
-        step_kl.append(kl if kl is not None else jnp.zeros((), jnp.float32))
-        step_load.append(load)
-      mtp_hidden = jnp.stack(normed)
-      mtp_logits = head(mtp_hidden, return_logits)
-      mtp_kl = jnp.stack(step_kl) if with_indexer_loss else None
-      mtp_load = jnp.stack(step_load) if step_load[0] is not None else None
-
-    return ModelOutput(
-        logits=logits, mtp_logits=mtp_logits, hidden=hidden, mtp_hidden=mtp_hidden,
-        indexer_kl=kls if with_indexer_loss else None, mtp_indexer_kl=mtp_kl,
-        expert_load=expert_load, mtp_expert_load=mtp_load,
-        topk_indices=all_idx if return_topk else None, last_hidden=h_final, routing=routing)
-
-
-def mtp_step(cfg, params, next_tokens_bt, h_prev_btd, positions_bt, mtp_cache, cache_index):
-  """One step of the shared MTP module over its own KV pool (the engine's drafts).
-
-  The same modules as `GLM5`'s MTP steps (Embed, MTPStep, Head on their parameter
-  subtrees): row i combines the embedding of the token after position positions[i] with
-  the hidden state h_prev at positions[i] (embedding first, paper §2.1).
-
-  Returns (h [b,t,d] before the head norm, logits float32 [b,t,V], updated MTP pool).
-  """
-  cos, sin = rope.rope_angles(positions_bt, cfg.qk_rope_head_dim, cfg.rope_theta)
-  emb = Embed(cfg).apply({"params": params["embed"]}, next_tokens_bt)
-  h, normed, _, _, _, mtp_cache = mtp_lib.MTPStep(cfg).apply(
-      {"params": params["mtp"]}, emb, h_prev_btd.astype(emb.dtype), cos, sin, None, False,
-      None, mtp_cache, cache_index)
-  return h, Head(cfg).apply({"params": params["lm_head"]}, normed), mtp_cache
-
-
-def document_starts(segment_ids_bt):
-  """[b, t] int32: position where each token's (contiguous) document begins."""
-  t = segment_ids_bt.shape[1]
-  pos = jnp.arange(t, dtype=jnp.int32)
-  change = jnp.concatenate([jnp.ones_like(segment_ids_bt[:, :1], bool),
-                            segment_ids_bt[:, 1:] != segment_ids_bt[:, :-1]], axis=1)
-  return jax.lax.cummax(jnp.where(change, pos[None], 0), axis=1)
-
-
-def _document_starts(segment_ids_bt, order):
-  """document_starts of each entry, from the natural order of the row (context parallelism)."""
-  if order is None:
-    return document_starts(segment_ids_bt)
-  return cp.permute(document_starts(cp.natural(segment_ids_bt, order)), order)
-
-
-def _shifted(tokens_bt, k: int, order):
-  """tokens[i + k] of each entry's natural position i (MTP step k's input)."""
-  if order is None:
-    return mtp_lib.shift_tokens(tokens_bt, k)
-  return cp.permute(mtp_lib.shift_tokens(cp.natural(tokens_bt, order), k), order)
+      mtp_logits, mtp_hidden, mtp_aux = mtp_lib.run_steps(
+          mtp_lib.MTPStep(cfg, name="mtp"), embed, head, tokens, h, inputs,  # one module, D calls
+          max(cfg.mtp_num_steps, 1), return_logits)
+      out = out.replace(mtp_logits=mtp_logits, mtp_hidden=mtp_hidden,
+                        mtp_indexer_kl=mtp_aux.indexer_kl, mtp_expert_load=mtp_aux.expert_load)
+    return out
 
 
 def init_params(cfg, rng, *, on_host: bool = True):

@@ -15,8 +15,8 @@ import pytest
 
 from glm5_jax import config as config_lib
 from glm5_jax.nn import attention
+from glm5_jax.nn import layer_io
 from glm5_jax.nn import mla
-from glm5_jax.nn import model as model_lib
 from glm5_jax.nn import rope
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -36,7 +36,7 @@ def _qkv(rng, b=2, t=37, s=37, h=3, d=5, e=4, dtype=jnp.float32):
 def _doc_starts(rng, b, t, n_docs=4):
   """[b, t] document starts of rows packed with up to n_docs contiguous documents."""
   seg = np.sort(rng.integers(0, n_docs, (b, t)), axis=1)
-  return model_lib.document_starts(jnp.asarray(seg, jnp.int32))
+  return layer_io.document_starts(jnp.asarray(seg, jnp.int32))
 
 
 def _assert_same(fn, ref, args, rng, **tol):
@@ -192,11 +192,12 @@ def _dense_layer_memory(cfg, t):
   layer = mla.MLA(cfg)
   cos, sin = rope.rope_angles(jnp.arange(8)[None], cfg.qk_rope_head_dim, cfg.rope_theta)
   params = jax.eval_shape(lambda: layer.init(jax.random.PRNGKey(0),
-                                             jnp.zeros((1, 8, cfg.hidden_size)), cos, sin))
+                                             jnp.zeros((1, 8, cfg.hidden_size)),
+                                             layer_io.LayerInputs(cos, sin)))
 
   def loss(p, x, doc_start):
     cos, sin = rope.rope_angles(jnp.arange(t)[None], cfg.qk_rope_head_dim, cfg.rope_theta)
-    return jnp.sum(layer.apply(p, x, cos, sin, doc_start=doc_start)[0] ** 2)
+    return jnp.sum(layer.apply(p, x, layer_io.LayerInputs(cos, sin, doc_start))[0] ** 2)
 
   x = jax.ShapeDtypeStruct((1, t, cfg.hidden_size), jnp.float32)
   doc_start = jax.ShapeDtypeStruct((1, t), jnp.int32)
@@ -258,7 +259,8 @@ def test_dense_layer_with_splash_compiles_on_a_sharded_v5e_mesh():
   cos, sin = rope.rope_angles(jnp.arange(t)[None], cfg.qk_rope_head_dim, cfg.rope_theta)
   layer = mla.MLA(cfg)
   boxed = jax.eval_shape(lambda: layer.init(jax.random.PRNGKey(0),
-                                            jnp.zeros((1, t, cfg.hidden_size)), cos, sin))
+                                            jnp.zeros((1, t, cfg.hidden_size)),
+                                            layer_io.LayerInputs(cos, sin)))
   params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         nn.unbox(boxed), shd.param_shardings(nn.get_partition_spec(boxed), mesh))
   rows = shd.batch_sharding(mesh)
@@ -266,7 +268,8 @@ def test_dense_layer_with_splash_compiles_on_a_sharded_v5e_mesh():
   doc_start = jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=rows)
 
   def loss(p, x, doc_start):
-    return jnp.mean(layer.apply(p, x, cos, sin, doc_start=doc_start)[0].astype(jnp.float32) ** 2)
+    out, _, _ = layer.apply(p, x, layer_io.LayerInputs(cos, sin, doc_start))
+    return jnp.mean(out.astype(jnp.float32) ** 2)
 
   with jax.set_mesh(mesh):
     compiled = jax.jit(jax.grad(loss)).trace(params, x, doc_start).lower(

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from glm5_jax.nn import dsa
-from glm5_jax.nn import model as model_lib
+from glm5_jax.nn import layer_io
 from pallas_kernels.lightning_indexer import xla as ref
 
 def _np_kl_dense(q_abs, kv, q_i, k_i, w_i, scale):
@@ -61,7 +61,7 @@ def test_blockwise_dense_kl_equals_query_chunked_with_packed_documents(request, 
   rng = np.random.default_rng(zlib.crc32(request.node.name.encode()))
   q_abs, kv, *indexer_args = _kl_inputs(rng, t=21)
   seg = np.sort(rng.integers(0, 4, (2, 21)), axis=1)
-  kw = dict(scale=0.4, chunk_size=chunk, doc_start=model_lib.document_starts(jnp.asarray(seg)),
+  kw = dict(scale=0.4, chunk_size=chunk, doc_start=layer_io.document_starts(jnp.asarray(seg)),
             mask_bt=jnp.asarray(rng.random((2, 21)) < 0.7, jnp.float32))
   run = lambda kl_fn: jax.jit(jax.value_and_grad(
       lambda qi, ki, wi: kl_fn(q_abs, kv, qi, ki, wi, **kw), (0, 1, 2)))(*indexer_args)

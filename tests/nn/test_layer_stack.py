@@ -16,8 +16,8 @@ from glm5_jax import config as config_lib
 from glm5_jax import nn as gnn
 from glm5_jax import optim
 from glm5_jax.nn import decoder as decoder_lib
+from glm5_jax.nn import layer_io
 from glm5_jax.nn import layer_stack
-from glm5_jax.nn import model as model_lib
 from glm5_jax.nn import mtp as mtp_lib
 from glm5_jax.nn import norms
 from glm5_jax.nn import rope
@@ -89,26 +89,26 @@ def _unrolled(cfg, params, per_layer, tokens, segment_ids):
   b, t = tokens.shape
   cos, sin = rope.rope_angles(jnp.broadcast_to(jnp.arange(t), (b, t)), cfg.qk_rope_head_dim,
                               cfg.rope_theta)
-  doc_start = model_lib.document_starts(segment_ids)
+  inputs = layer_io.LayerInputs(cos, sin, layer_io.document_starts(segment_ids),
+                                with_indexer_loss=True)
   emb = lambda x: jnp.take(params["embed"]["embedding"], x, axis=0)
   h, idx, kls, loads, topk = emb(tokens), None, [], [], []
   for i in range(cfg.num_hidden_layers):
     kind = layer_stack.layer_kind(cfg, i)
     layer = decoder_lib.DecoderLayer(cfg, moe=kind.moe, has_indexer=kind.has_indexer)
-    h, new_idx, kl, load, _, _ = layer.apply({"params": per_layer[i]}, h, cos, sin, idx,
-                                              doc_start, True)
-    idx = new_idx if new_idx is not None else idx
-    kls.append(jnp.zeros(()) if kl is None else kl)
-    loads += [] if load is None else [load]
-    topk.append(new_idx)
+    h, aux, _ = layer.apply({"params": per_layer[i]}, h, inputs, prev_indices=idx)
+    idx = aux.topk_indices if aux.topk_indices is not None else idx
+    kls.append(jnp.zeros(()) if aux.indexer_kl is None else aux.indexer_kl)
+    loads += [] if aux.expert_load is None else [aux.expert_load]
+    topk.append(aux.topk_indices)
   head = lambda x: x @ params["lm_head"]["kernel"]
   final = norms.RMSNorm(cfg.rms_norm_eps)
   out = {"logits": head(final.apply({"params": params["final_norm"]}, h)),
          "indexer_kl": jnp.stack(kls), "expert_load": jnp.stack(loads), "topk": topk}
   step, hs, mtp = mtp_lib.MTPStep(cfg), h, []
   for k in range(1, cfg.mtp_num_steps + 1):
-    hs, normed, _, _, _, _ = step.apply({"params": params["mtp"]}, emb(mtp_lib.shift_tokens(
-        tokens, k)), hs, cos, sin, doc_start, True)
+    hs, normed, _, _ = step.apply({"params": params["mtp"]}, emb(mtp_lib.shift_tokens(
+        tokens, k)), hs, inputs)
     mtp.append(head(normed))
   out["mtp_logits"] = jnp.stack(mtp)
   return out

@@ -9,6 +9,7 @@ import pytest
 from glm5_jax import config as config_lib
 from glm5_jax import losses
 from glm5_jax import nn as gnn
+from glm5_jax.nn import layer_io
 from glm5_jax.nn import mtp as mtp_lib
 from glm5_jax.nn import rope
 
@@ -42,7 +43,7 @@ def test_mtp_has_one_module_applied_three_times(tiny_cfg, tiny_params, tiny_toke
   h = h_final
   for k in range(1, 4):
     e = jnp.take(emb, mtp_lib.shift_tokens(tiny_tokens, k), axis=0)
-    h, normed, *_ = step.apply({"params": tiny_params["mtp"]}, e, h, cos, sin)
+    h, normed, *_ = step.apply({"params": tiny_params["mtp"]}, e, h, layer_io.LayerInputs(cos, sin))
     np.testing.assert_allclose(normed @ tiny_params["lm_head"]["kernel"], out.mtp_logits[k - 1],
                                rtol=2e-4, atol=2e-4)
 
