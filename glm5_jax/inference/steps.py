@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from glm5_jax.inference import matvec
 from glm5_jax.inference import sampling
 from glm5_jax.nn import embed as embed_lib
 from glm5_jax.nn import kv_cache
@@ -89,13 +90,32 @@ def head(cfg, params, normed):
   return embed_lib.Head(cfg).apply({"params": params["lm_head"]}, normed)
 
 
+def decode_head(cfg, params, normed_bd, live_b):
+  """float32 logits [b, V] of a step whose idle lanes mirror a live one (`mirror_idle`).
+
+  With one live lane and the head's k-blocks served (`params[matvec.HEAD_KEY]`,
+  placement.py), every lane gets that lane's row through the matrix-vector kernel
+  (inference/matvec.py: the matmul's bits, ~2-3x faster on CPU); otherwise, and whenever
+  more lanes are live, the trainer's lm_head over all lanes."""
+  blocks = params.get(matvec.HEAD_KEY)
+  if blocks is None:
+    return head(cfg, params, normed_bd)
+  def one_row():
+    row = matvec.matvec(normed_bd[jnp.argmax(live_b)], blocks)
+    return jnp.broadcast_to(row, (normed_bd.shape[0],) + row.shape)
+  return jax.lax.cond(jnp.sum(live_b) <= 1, one_row, lambda: head(cfg, params, normed_bd))
+
+
 def mtp(cfg, block_size, params, cache, table_bm, next_tokens_bt, h_prev_btd, start_b,
-        n_valid_b, first_valid_b=None):
-  """The MTP layer over a chunk of rows start[b] + i. Returns (h, logits, updated cache)."""
+        n_valid_b, first_valid_b=None, live_b=None):
+  """The MTP layer over a chunk of rows start[b] + i. Returns (h, logits, updated cache);
+  `live_b`: a one-token chunk whose idle lanes mirror these live ones (`decode_head`)."""
   idx = kv_cache.chunk_index(table_bm, block_size, start_b, n_valid_b, next_tokens_bt.shape[1],
                              num_rows(cache), first_valid_b)
-  h, logits, mtp_cache = mtp_lib.mtp_step(cfg, params, next_tokens_bt, h_prev_btd,
+  h, normed, mtp_cache = mtp_lib.mtp_step(cfg, params, next_tokens_bt, h_prev_btd,
                                           idx.limit_bt, cache["mtp"], idx)
+  logits = (head(cfg, params, normed) if live_b is None
+            else decode_head(cfg, params, normed[:, 0], live_b)[:, None])
   return h, logits, {**cache, "mtp": mtp_cache}
 
 
@@ -198,7 +218,7 @@ def decode(cfg, block_size, n_steps, params, cache, table_bm, st, routing: bool 
     tok, pos, table = mirror_idle(st["active"], st["tok"], st["pos"], table_bm)
     out, cache = forward(cfg, block_size, params, cache, table, tok[:, None], pos, emit,
                          routing)
-    tok, lp = _pick(head(cfg, params, out.hidden[:, 0]), st)
+    tok, lp = _pick(decode_head(cfg, params, out.hidden[:, 0], st["active"]), st)
     topk = _stack_topk(out.topk_indices)
     res = {"tok": tok, "logprob": lp, "emit": emit, "pos": st["pos"],
            "topk": None if topk is None else topk[:, :, 0],
@@ -289,7 +309,7 @@ def speculative_round(cfg, block_size, n_draft, params, cache, fold, table_bm, s
                            *mirror_idle(pad_live, pad_table, pad_lanes(tok_b[:, None], lanes),
                                         pad_lanes(h_bd[:, None], lanes),
                                         pad_lanes(n0 - 1 + k, lanes)),
-                           pad_lanes(act, lanes))
+                           pad_lanes(act, lanes), live_b=pad_live)
     tok_b, logq = sample_draft(logits[:b, 0], k)
     return (cache, tok_b, h[:b, 0].astype(h_bd.dtype)), (tok_b, logq)
 
