@@ -212,25 +212,40 @@ def bench_speculative(cfg, params):
     for p in prompts:                                            # compile every shape
       engines[name].generate([p], sp)
   times = {name: [] for name in variants}
+  step_s = {name: [] for name in variants}       # the engine's decode seconds per step / round
   accept = {}
   for _ in range(5):
     for name, eng in engines.items():
-      t0 = time.perf_counter()
-      res = [eng.generate([p], sp)[0] for p in prompts]
+      t0, decode_s, steps_run = time.perf_counter(), 0.0, 0
+      res = []
+      for p in prompts:
+        res.append(eng.generate([p], sp)[0])
+        decode_s += eng.last_stats["decode_s"]
+        steps_run += eng.last_stats["decode_steps"]
       times[name].append(time.perf_counter() - t0)
+      step_s[name].append(decode_s / steps_run)
       if res[0].num_rounds:
         accept[name] = [r.acceptance_length for r in res]
   out = {"batch": 1, "prompts": len(prompts), "new_tokens": n,
          "rounds_per_sync": _SPEC_ROUNDS.value,
          "seconds": {k: float(np.median(v)) for k, v in times.items()},
+         "decode_s_per_step_or_round": {k: float(np.median(v)) for k, v in step_s.items()},
          "acceptance_length": {k: float(np.mean(v)) for k, v in accept.items()},
          "acceptance_length_per_prompt": accept}
+  # The bound: a round emits `acceptance` tokens in the time of round / step plain steps.
+  plain_step = min(v for k, v in out["decode_s_per_step_or_round"].items()
+                   if k.startswith("plain"))
+  out["round_in_plain_steps"] = {k: out["decode_s_per_step_or_round"][k] / plain_step
+                                 for k in accept}
+  out["decode_speed_up_bound"] = {k: out["acceptance_length"][k]
+                                  / out["round_in_plain_steps"][k] for k in accept}
   best_plain = min(v for k, v in out["seconds"].items() if k.startswith("plain"))
   best_spec = min(v for k, v in out["seconds"].items() if k.startswith("speculative"))
   out["speed_up_vs_default_plain"] = out["seconds"]["plain_sync8"] / best_spec
   out["speed_up_vs_best_plain"] = best_plain / best_spec
   out["parts_s"] = _round_parts(cfg, engines["plain_sync8"].params, d)
-  print(f"  speculative: {out['seconds']}, acceptance {out['acceptance_length']}, "
+  print(f"  speculative: {out['seconds']}, acceptance {out['acceptance_length']}, round in "
+        f"plain steps {out['round_in_plain_steps']}, bound {out['decode_speed_up_bound']}, "
         f"x{out['speed_up_vs_default_plain']:.2f} "
         f"vs default plain, x{out['speed_up_vs_best_plain']:.2f} vs best plain; parts (ms) "
         f"{ {k: round(v * 1e3, 3) for k, v in out['parts_s'].items()} }", flush=True)

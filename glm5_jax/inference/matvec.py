@@ -20,8 +20,9 @@ assumed: `k_blocks` finds them on the running backend by comparing candidates wi
 static slice of a weight is copied before a dot reads it (a second pass over the weight),
 so the blocks are stored as separate arrays (`split`), made once per weight version.
 
-The engine serves its output head this way when a step has one live lane
-(`inference/steps.py` `decode_head`): plain decoding and the MTP drafts of a lone request.
+The engine serves its output head this way when a call has one live lane and at most
+`MAX_ROWS` tokens in it (`inference/steps.py` `lane_head`): a lone request's plain decode
+steps, its MTP drafts, and at one draft per round its verify and first MTP call.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ from glm5_jax import numerics
 
 KMAX_CANDIDATES = (320, 384, 256, 512, 192, 128)   # Eigen's largest kc, most likely first
 HEAD_KEY = "lm_head_matvec"     # served parameters: the head's kernel split at its k-blocks
+# Rows up to which that many matrix-vector products of `small`'s head (1.7-2.1 ms each at
+# 30-40 GB/s on this project's VM) beat one 8-row matmul (4.5-6.4 ms): 2.
+MAX_ROWS = 2
+MIN_BYTES = 256 * 1024     # a smaller head keeps the matmul (in cache, nothing to gain)
 
 
 def candidates(k: int) -> list[tuple[int, ...]]:

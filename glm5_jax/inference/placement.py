@@ -66,11 +66,12 @@ def shardings(cfg, mesh, rules, served):
 
 def head_blocks(cfg, served, mesh):
   """The k-blocks (inference/matvec.py) at which the engine serves a copy of its lm_head for
-  one-row steps, or None: on one CPU device with a float32 head and activations, when
-  `matvec.k_blocks` finds them for the head's shape. `served`: the served tree's shapes."""
+  one-row steps, or None: on one CPU device with a float32 head of at least
+  `matvec.MIN_BYTES` and float32 activations, when `matvec.k_blocks` finds them for the
+  head's shape. `served`: the served tree's shapes."""
   kernel = served["lm_head"]["kernel"]
   if (mesh is not None or jax.devices()[0].platform != "cpu" or kernel.dtype != jnp.float32
-      or jnp.dtype(cfg.dtype) != jnp.float32):
+      or jnp.dtype(cfg.dtype) != jnp.float32 or kernel.size * 4 < matvec.MIN_BYTES):
     return None
   return matvec.k_blocks(*kernel.shape)
 

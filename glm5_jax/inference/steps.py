@@ -90,32 +90,37 @@ def head(cfg, params, normed):
   return embed_lib.Head(cfg).apply({"params": params["lm_head"]}, normed)
 
 
-def decode_head(cfg, params, normed_bd, live_b):
-  """float32 logits [b, V] of a step whose idle lanes mirror a live one (`mirror_idle`).
+def lane_head(cfg, params, normed, live_b):
+  """float32 logits [b, (t,) V] of a call whose idle lanes mirror its live ones
+  (`mirror_idle`), normed [b, (t,) d].
 
-  With one live lane and the head's k-blocks served (`params[matvec.HEAD_KEY]`,
-  placement.py), every lane gets that lane's row through the matrix-vector kernel
-  (inference/matvec.py: the matmul's bits, ~2-3x faster on CPU); otherwise, and whenever
-  more lanes are live, the trainer's lm_head over all lanes."""
+  With one live lane, the head's k-blocks served (`params[matvec.HEAD_KEY]`, placement.py)
+  and at most `matvec.MAX_ROWS` tokens per lane, every lane gets the live lane's rows
+  through the matrix-vector kernel (inference/matvec.py: the matmul's bits, 2-3x its
+  bandwidth per row); otherwise, and whenever more lanes are live, the trainer's lm_head
+  over all lanes."""
   blocks = params.get(matvec.HEAD_KEY)
-  if blocks is None:
-    return head(cfg, params, normed_bd)
-  def one_row():
-    row = matvec.matvec(normed_bd[jnp.argmax(live_b)], blocks)
-    return jnp.broadcast_to(row, (normed_bd.shape[0],) + row.shape)
-  return jax.lax.cond(jnp.sum(live_b) <= 1, one_row, lambda: head(cfg, params, normed_bd))
+  rows_per_lane = 1 if normed.ndim == 2 else normed.shape[1]
+  if blocks is None or rows_per_lane > matvec.MAX_ROWS:
+    return head(cfg, params, normed)
+  def one_lane():
+    rows = normed[jnp.argmax(live_b)].reshape(rows_per_lane, -1)
+    logits = jnp.stack([matvec.matvec(r, blocks) for r in rows])
+    return jnp.broadcast_to(logits.reshape(normed.shape[1:-1] + logits.shape[-1:]),
+                            normed.shape[:-1] + logits.shape[-1:])
+  return jax.lax.cond(jnp.sum(live_b) <= 1, one_lane, lambda: head(cfg, params, normed))
 
 
 def mtp(cfg, block_size, params, cache, table_bm, next_tokens_bt, h_prev_btd, start_b,
         n_valid_b, first_valid_b=None, live_b=None):
   """The MTP layer over a chunk of rows start[b] + i. Returns (h, logits, updated cache);
-  `live_b`: a one-token chunk whose idle lanes mirror these live ones (`decode_head`)."""
+  `live_b`: the live lanes, the others mirroring them (`lane_head`)."""
   idx = kv_cache.chunk_index(table_bm, block_size, start_b, n_valid_b, next_tokens_bt.shape[1],
                              num_rows(cache), first_valid_b)
   h, normed, mtp_cache = mtp_lib.mtp_step(cfg, params, next_tokens_bt, h_prev_btd,
                                           idx.limit_bt, cache["mtp"], idx)
   logits = (head(cfg, params, normed) if live_b is None
-            else decode_head(cfg, params, normed[:, 0], live_b)[:, None])
+            else lane_head(cfg, params, normed, live_b))
   return h, logits, {**cache, "mtp": mtp_cache}
 
 
@@ -218,7 +223,7 @@ def decode(cfg, block_size, n_steps, params, cache, table_bm, st, routing: bool 
     tok, pos, table = mirror_idle(st["active"], st["tok"], st["pos"], table_bm)
     out, cache = forward(cfg, block_size, params, cache, table, tok[:, None], pos, emit,
                          routing)
-    tok, lp = _pick(decode_head(cfg, params, out.hidden[:, 0], st["active"]), st)
+    tok, lp = _pick(lane_head(cfg, params, out.hidden[:, 0], st["active"]), st)
     topk = _stack_topk(out.topk_indices)
     res = {"tok": tok, "logprob": lp, "emit": emit, "pos": st["pos"],
            "topk": None if topk is None else topk[:, :, 0],
@@ -293,7 +298,7 @@ def speculative_round(cfg, block_size, n_draft, params, cache, fold, table_bm, s
   live = st["active"]
   h, logits, cache = mtp(cfg, block_size, params, cache,
                          *mirror_idle(live, table_bm, fold["tok"], fold["h"], n0 - fn),
-                         fn * act)
+                         fn * act, live_b=live)
   at = jnp.maximum(fn - 1, 0)[:, None, None]
   h1 = jnp.take_along_axis(h, at, axis=1)[:, 0]
   tok1, logq1 = sample_draft(jnp.take_along_axis(logits, at, axis=1)[:, 0], 0)
@@ -323,7 +328,7 @@ def speculative_round(cfg, block_size, n_draft, params, cache, fold, table_bm, s
   out, cache = forward(cfg, block_size, params, cache, *mirror_idle(live, table_bm, vtok, n0),
                        act * (d + 1), routing)
   h0 = out.last_hidden
-  logits = head(cfg, params, out.hidden)                                 # [b, D+1, V]
+  logits = lane_head(cfg, params, out.hidden, live)                      # [b, D+1, V]
   v = logits.shape[-1]
 
   # 3. Accept, then cut at a stop token or the budget.

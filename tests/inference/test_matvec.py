@@ -56,36 +56,41 @@ def test_matvec_checks_that_its_blocks_cover_x():
 
 @pytest.fixture(scope="module")
 def wide():
-  """tiny with a 512-wide hidden state: the head's k-blocks are more than one."""
+  """tiny with a 512-wide hidden state: a 786 KB head (over matvec.MIN_BYTES) in two k-blocks
+  here; lone-request engines with and without the one-row head."""
   cfg = config_lib.get_preset("tiny", hidden_size=512)
-  return cfg, gnn.init_params(cfg, 0)
+  params = gnn.init_params(cfg, 0)
+  kw = dict(max_batch=1, max_len=48, block_size=8, steps_per_sync=4)
+  engines = {(spec, mv): Engine(cfg, params, speculative=spec, num_draft=1, matvec_head=mv,
+                                **kw) for spec in (False, True) for mv in (False, True)}
+  return cfg, engines
 
 
-def test_one_row_head_engine_equals_the_matmul_head_engine(wide, rng):
-  """A lone request's decode steps through the split head give the bits of the 8-lane
-  matmul head (which equals the trainer: tests/inference/test_engine.py, whose tiny head is
-  one block)."""
-  cfg, params = wide
-  engines = {mv: Engine(cfg, params, max_batch=2, max_len=48, block_size=8, steps_per_sync=4,
-                        matvec_head=mv) for mv in (False, True)}
-  assert engines[False].head_blocks is None
-  if engines[True].head_blocks is None:
+def test_the_tiny_preset_keeps_the_matmul_head(tiny_cfg, tiny_params):
+  assert Engine(tiny_cfg, tiny_params, max_batch=1, max_len=16).head_blocks is None
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_one_row_head_engines_keep_the_matmul_heads_bits(wide, speculative, rng):
+  """A lone request's decode steps (plain) or its MTP drafts, verify and first MTP call of
+  each round (speculative, one draft: 2 tokens per lane) through the split head: the same
+  sampled tokens and log-probs as the 8-lane matmul head (which equals the trainer:
+  tests/inference/test_engine.py)."""
+  _, engines = wide
+  assert engines[speculative, False].head_blocks is None
+  if engines[speculative, True].head_blocks is None:
     pytest.skip("matvec.k_blocks found no split of the head on this CPU")
-  assert len(engines[True].head_blocks) > 2
+  assert len(engines[speculative, True].head_blocks) > 2
   prompt = rng.integers(0, 256, 9).tolist()
   sp = SamplingParams(max_new_tokens=10, seed=4)
-  outs = {mv: e.generate([prompt], sp)[0] for mv, e in engines.items()}
+  outs = {mv: engines[speculative, mv].generate([prompt], sp)[0] for mv in (False, True)}
   assert outs[True].token_ids == outs[False].token_ids
   np.testing.assert_array_equal(outs[True].logprobs, outs[False].logprobs)
 
 
-def test_one_row_drafts_keep_speculative_greedy_tokens(wide, rng):
-  """The MTP drafts after the first take the one-row head for a lone request; greedy
-  speculative decoding still emits the plain greedy tokens."""
-  cfg, params = wide
+def test_greedy_speculative_with_the_one_row_head_emits_the_plain_tokens(wide, rng):
+  _, engines = wide
   prompt = rng.integers(0, 256, 7).tolist()
   sp = SamplingParams(max_new_tokens=9, temperature=0.0)
-  plain = Engine(cfg, params, max_batch=1, max_len=48, block_size=8, matvec_head=False)
-  spec = Engine(cfg, params, max_batch=1, max_len=48, block_size=8, speculative=True,
-                num_draft=2)
-  assert spec.generate([prompt], sp)[0].token_ids == plain.generate([prompt], sp)[0].token_ids
+  assert (engines[True, True].generate([prompt], sp)[0].token_ids
+          == engines[False, False].generate([prompt], sp)[0].token_ids)
