@@ -20,6 +20,13 @@ assumed: `k_blocks` finds them on the running backend by comparing candidates wi
 static slice of a weight is copied before a dot reads it (a second pass over the weight),
 so the blocks are stored as separate arrays (`split`), made once per weight version.
 
+The bits of a dot also depend on what XLA makes of its consumers: on the 8-lane path XLA
+folds the shared expert's output into the routed experts' scatter-add as its initial value,
+which it does not do for a broadcast row, so the same split at the shared expert's down
+projection changed log-probs by 9.5e-7 (docs/benchmarks.md, decode floor). `matvec` is
+therefore used where its consumers are per-row (the head: softmax, sampling), not as a
+general replacement for the model's matmuls.
+
 The engine serves its output head this way when a call has one live lane and at most
 `MAX_ROWS` tokens in it (`inference/steps.py` `lane_head`): a lone request's plain decode
 steps, its MTP drafts, and at one draft per round its verify and first MTP call.
