@@ -31,7 +31,9 @@ Sections (`--sections`, default all):
               floor time, the engine's measured step time (decode seconds / decode steps of
               `generate`, greedy, the prompts' blocks cached after the first run) and
               floor / step. Batch-invariant engine (RL's exactness mode: a lone request
-              runs 8 lanes on CPU). Medians of `--floor_repeats` interleaved runs.
+              runs 8 lanes on CPU), with and without its one-row head
+              (`--floor_matvec_head`, inference/matvec.py). Medians of `--floor_repeats`
+              interleaved runs.
 
 Writes the JSON of every section and prints a table per section.
 """
@@ -81,6 +83,9 @@ _FLOOR_CONTEXTS = flags.DEFINE_list("floor_contexts", ["32", "1024", "4096"],
 _FLOOR_NEW = flags.DEFINE_integer("floor_new_tokens", 33, "floor: tokens generated per "
                                   "request (the first by the prefill)")
 _FLOOR_REPEATS = flags.DEFINE_integer("floor_repeats", 5, "floor: interleaved timed runs")
+_FLOOR_MATVEC = flags.DEFINE_list("floor_matvec_head", ["1", "0"], "floor: engines with the "
+                                  "one-row head (1, Engine's default) and/or without (0), "
+                                  "timed interleaved")
 _OUT = flags.DEFINE_string("out", "bench_decode.json", "JSON output path")
 
 
@@ -195,6 +200,7 @@ def bench_speculative(cfg, params):
   n = _SPEC_NEW.value
   d = cfg.mtp_num_steps
   variants = {"plain_sync8": dict(steps_per_sync=8), "plain_sync32": dict(steps_per_sync=32),
+              "plain_sync8_matmul_head": dict(steps_per_sync=8, matvec_head=False),
               "plain_sync128": dict(steps_per_sync=128),
               f"speculative_d{d}": dict(speculative=True, rounds_per_sync=_SPEC_ROUNDS.value),
               f"speculative_d{d + 2}": dict(speculative=True, num_draft=d + 2,
@@ -206,25 +212,40 @@ def bench_speculative(cfg, params):
     for p in prompts:                                            # compile every shape
       engines[name].generate([p], sp)
   times = {name: [] for name in variants}
+  step_s = {name: [] for name in variants}       # the engine's decode seconds per step / round
   accept = {}
   for _ in range(5):
     for name, eng in engines.items():
-      t0 = time.perf_counter()
-      res = [eng.generate([p], sp)[0] for p in prompts]
+      t0, decode_s, steps_run = time.perf_counter(), 0.0, 0
+      res = []
+      for p in prompts:
+        res.append(eng.generate([p], sp)[0])
+        decode_s += eng.last_stats["decode_s"]
+        steps_run += eng.last_stats["decode_steps"]
       times[name].append(time.perf_counter() - t0)
+      step_s[name].append(decode_s / steps_run)
       if res[0].num_rounds:
         accept[name] = [r.acceptance_length for r in res]
   out = {"batch": 1, "prompts": len(prompts), "new_tokens": n,
          "rounds_per_sync": _SPEC_ROUNDS.value,
          "seconds": {k: float(np.median(v)) for k, v in times.items()},
+         "decode_s_per_step_or_round": {k: float(np.median(v)) for k, v in step_s.items()},
          "acceptance_length": {k: float(np.mean(v)) for k, v in accept.items()},
          "acceptance_length_per_prompt": accept}
+  # The bound: a round emits `acceptance` tokens in the time of round / step plain steps.
+  plain_step = min(v for k, v in out["decode_s_per_step_or_round"].items()
+                   if k.startswith("plain"))
+  out["round_in_plain_steps"] = {k: out["decode_s_per_step_or_round"][k] / plain_step
+                                 for k in accept}
+  out["decode_speed_up_bound"] = {k: out["acceptance_length"][k]
+                                  / out["round_in_plain_steps"][k] for k in accept}
   best_plain = min(v for k, v in out["seconds"].items() if k.startswith("plain"))
   best_spec = min(v for k, v in out["seconds"].items() if k.startswith("speculative"))
   out["speed_up_vs_default_plain"] = out["seconds"]["plain_sync8"] / best_spec
   out["speed_up_vs_best_plain"] = best_plain / best_spec
-  out["parts_s"] = _round_parts(cfg, params, d)
-  print(f"  speculative: {out['seconds']}, acceptance {out['acceptance_length']}, "
+  out["parts_s"] = _round_parts(cfg, engines["plain_sync8"].params, d)
+  print(f"  speculative: {out['seconds']}, acceptance {out['acceptance_length']}, round in "
+        f"plain steps {out['round_in_plain_steps']}, bound {out['decode_speed_up_bound']}, "
         f"x{out['speed_up_vs_default_plain']:.2f} "
         f"vs default plain, x{out['speed_up_vs_best_plain']:.2f} vs best plain; parts (ms) "
         f"{ {k: round(v * 1e3, 3) for k, v in out['parts_s'].items()} }", flush=True)
@@ -237,7 +258,8 @@ def _round_parts(cfg, params, d, iters=32):
   step) with the parameters as arguments, at the engine's lanes for one request: plain
   steps and drafts after the first over `invariant_tokens` lanes (one real, the others
   inert), the verify and the first MTP call (catch-up + draft 1) over one lane of D + 1
-  tokens. Medians of 5 runs."""
+  tokens. `params`: an engine's served parameters (with the one-row head's blocks, when it
+  serves them: inference/matvec.py). Medians of 5 runs."""
   bs, nb = 16, 16
   cache = layer_stack.init_cache(cfg, nb * bs, with_mtp=True)
   lanes = engine_lib.invariant_tokens(cfg, jax.devices()[0].platform)
@@ -269,8 +291,9 @@ def _round_parts(cfg, params, d, iters=32):
   def mtp(n_lanes, t):
     table, tok, pos, n = lane_args(n_lanes, t)
     h = jnp.zeros(tok.shape + (cfg.hidden_size,), cfg.dtype)
+    live = (jnp.arange(n_lanes) == 0) if t == 1 else None       # a draft after the first
     def body(p, c):
-      h_out, logits, c = steps.mtp(cfg, bs, p, c, table, tok, h, pos, n)
+      h_out, logits, c = steps.mtp(cfg, bs, p, c, table, tok, h, pos, n, live_b=live)
       return c, (h_out, logits)
     return looped(body)
 
@@ -381,27 +404,31 @@ def bench_floor(cfg, params):
                                                            record_routing=True), ctx, n_new)
               for b in batches}
       del recorder
-      eng = Engine(c, params, **kw)
-      for b in batches:                                   # compile; the prompts' blocks cached
-        eng.generate(prompts[:b], sp)
-      times = {b: [] for b in batches}
+      engines = {v == "1": Engine(c, params, matvec_head=v == "1", **kw)
+                 for v in _FLOOR_MATVEC.value}
+      runs = [(mv, b) for b in batches for mv in engines]
+      for mv, b in runs:                                  # compile; the prompts' blocks cached
+        engines[mv].generate(prompts[:b], sp)
+      times = {run: [] for run in runs}
       for _ in range(_FLOOR_REPEATS.value):
-        for b in batches:
-          eng.generate(prompts[:b], sp)
-          st = eng.last_stats
-          times[b].append(st["decode_s"] / st["decode_steps"])
-      for b in batches:
-        step_s = float(np.median(times[b]))
+        for mv, b in runs:
+          engines[mv].generate(prompts[:b], sp)
+          st = engines[mv].last_stats
+          times[mv, b].append(st["decode_s"] / st["decode_steps"])
+      for mv, b in runs:
+        step_s = float(np.median(times[mv, b]))
         floor_s = need[b]["total"] / (gbs * 1e9)
         rows.append({"preset": name, "context": ctx, "batch": b, "stream_gbs": gbs,
+                     "matvec_head": engines[mv].head_blocks is not None,
                      **{f"{k}_bytes": v for k, v in need[b].items()}, "floor_ms": floor_s * 1e3,
-                     "step_ms": step_s * 1e3, "step_ms_all": [t * 1e3 for t in times[b]],
+                     "step_ms": step_s * 1e3, "step_ms_all": [t * 1e3 for t in times[mv, b]],
                      "fraction": floor_s / step_s})
         r = rows[-1]
-        print(f"  {name:>5} ctx {ctx:>5} batch {b:>3}: {r['total_bytes'] / 1e6:8.1f} MB "
-              f"(weights {r['weights_bytes'] / 1e6:.1f}, experts {r['experts_bytes'] / 1e6:.1f}, "
-              f"kv {r['kv_bytes'] / 1e6:.1f})  floor {r['floor_ms']:7.2f} ms  step "
-              f"{r['step_ms']:7.2f} ms  {r['fraction']:6.1%}", flush=True)
+        print(f"  {name:>5} ctx {ctx:>5} batch {b:>3} one-row head {str(r['matvec_head']):>5}: "
+              f"{r['total_bytes'] / 1e6:8.1f} MB (weights {r['weights_bytes'] / 1e6:.1f}, "
+              f"experts {r['experts_bytes'] / 1e6:.1f}, kv {r['kv_bytes'] / 1e6:.1f})  floor "
+              f"{r['floor_ms']:7.2f} ms  step {r['step_ms']:7.2f} ms  {r['fraction']:6.1%}",
+              flush=True)
   return rows
 
 
@@ -410,6 +437,8 @@ def main(argv):
   bad = set(_SECTIONS.value) - set(SECTIONS)
   if bad:
     raise ValueError(f"--sections: {sorted(bad)} unknown; expected any of {SECTIONS}")
+  if not set(_FLOOR_MATVEC.value) <= {"0", "1"}:
+    raise ValueError(f"--floor_matvec_head={_FLOOR_MATVEC.value}: expected 1 and/or 0")
   cfg, params, weights = _model()
   result = {"machine": f"{platform.node()} ({platform.processor() or platform.machine()}, "
                        f"{jax.devices()[0].platform}, {jax.device_count()} device(s))",

@@ -1,15 +1,16 @@
 """Token log-probs under the language-model head: log p(y | h) = log_softmax(h @ W)[y].
 
   of_logits      log_softmax(logits)[y] from float logits: the rollout engine's raw log-probs
-                 (`inference.sampling.raw_logprobs`), the long-context eval's losses
-                 (`evals.long_context.token_nll`) and, chunk by chunk, the RL policy's.
-  with_entropy   the same, plus the entropy of each position's distribution (the policy's).
+                 (`inference.sampling.raw_logprobs`) and, chunk by chunk, the long-context
+                 eval's losses (`evals.long_context.nll_fn`).
+  with_entropy   the same, plus the entropy of each position's distribution: the RL
+                 policy's log-probs (`policy.token_logprobs`), chunk by chunk.
   chunked        any such per-position statistic of h @ W over a sequence, `chunk_size`
                  positions at a time: the [b, t, V] logits never exist at once, and each
                  chunk's are recomputed in the backward pass (`jax.checkpoint`; GLM-5 paper
                  §2: sequence-chunked output projection + cross entropy). The trainer's cross
-                 entropy (`losses.chunked_cross_entropy`) and the RL policy's log-probs
-                 (`policy.token_logprobs`) run through it.
+                 entropy (`losses.chunked_cross_entropy`), the RL policy and the eval run
+                 through it.
 
 Bit for bit, not only in value: the rollout engine's log-probs must equal the trainer's
 (GLM-5 §3; tests/rl/test_grpo.py compares them at ATOL 0), and a run must not move when its
@@ -20,8 +21,9 @@ code is reorganised. So each caller keeps its own arithmetic, chosen by argument
   - the chunk layout (`padding.chunks`). Strided chunks keep a context-sharded sequence
     sharded (the cross entropy runs on the zig-zag rows of nn/context_parallel.py);
     contiguous chunks are the policy's, which all-gathers its hidden states first. The
-    per-position values are the same in both layouts, the head's gradient is not: it sums
-    over a chunk's positions, and the layout decides which positions share a chunk.
+    per-position values are the same in both layouts (to the bit on CPU, numerics.py), the
+    head's gradient is not: it sums over a chunk's positions, and the layout decides which
+    positions share a chunk.
   - `total`: the cross entropy adds its per-chunk sums in a scan carry, in chunk order.
 
 Notation: b batch, t positions, c positions per chunk, d hidden, V vocabulary.

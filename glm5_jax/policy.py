@@ -31,8 +31,11 @@ def token_logprobs(hidden_btd, head_dv, tokens_bt, *, chunk_size: int = 256):
 
   hidden_btd: final-norm hidden states; head_dv: the lm_head kernel. Entry t uses
   hidden[:, t - 1]; entry 0 is 0 for both. Entropy is that of the full next-token
-  distribution at t - 1 (a diagnostic; it carries gradient like logp). Contiguous chunks of
-  the t - 1 predicting positions (`logprobs.chunked`).
+  distribution at t - 1 (a diagnostic; it carries gradient like logp).
+
+  Contiguous chunks of the t - 1 predicting positions (`logprobs.chunked`): `policy_forward`
+  hands over all-gathered hidden states, and strided chunks, the same log-probs, would sum
+  the head's gradient in another order (other bits than the runs so far).
   """
   logp, ent = logprobs.chunked(logprobs.with_entropy, hidden_btd[:, :-1], head_dv,
                                tokens_bt[:, 1:], chunk_size=chunk_size, strided=False)

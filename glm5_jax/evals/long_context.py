@@ -52,7 +52,17 @@ def token_nll(logits_btv, tokens_bt):
   return -logprobs.of_logits(logits_btv[:, :-1], tokens_bt[:, 1:])
 
 
-_token_nll_jit = jax.jit(token_nll)
+def nll_fn(cfg, chunk_size: int = 256):
+  """jit (params, tokens int32 [b, t]) -> `token_nll` float32 [b, t-1] (no MTP), from the
+  model's final hidden states `chunk_size` positions at a time (`logprobs.chunked`): the
+  [b, t, v] logits never exist at once."""
+  model = gnn.GLM5(cfg)
+
+  def nll(p, tokens_bt):
+    hidden = model.apply({"params": p}, tokens_bt, mtp=False, return_logits=False).hidden
+    return -logprobs.chunked(logprobs.of_logits, hidden[:, :-1], p["lm_head"]["kernel"],
+                             tokens_bt[:, 1:], chunk_size=chunk_size)
+  return jax.jit(nll)
 
 
 def bucket_means(nll_bn, edges):
@@ -102,13 +112,13 @@ def heldout_documents(data_dir: str, length: int, max_docs: int = 0) -> np.ndarr
 
 def loss_by_position(fn, params, docs_bt: np.ndarray, edges=BUCKETS, *,
                      batch_tokens: int = 8192) -> dict:
-  """Held-out loss per position bucket of `docs_bt` int32 [n, t] (`heldout_documents`)."""
+  """Held-out loss per position bucket of `docs_bt` int32 [n, t] (`heldout_documents`);
+  fn: `nll_fn(cfg)`."""
   if edges[-1] > docs_bt.shape[1]:
     raise ValueError(f"buckets end at {edges[-1]} > document length {docs_bt.shape[1]}")
   nll = []
   for rows, n in _batches(docs_bt, _rows_per_batch(docs_bt.shape[1], batch_tokens)):
-    rows = jnp.asarray(rows)
-    nll.append(np.asarray(_token_nll_jit(fn(params, rows), rows))[:n])
+    nll.append(np.asarray(fn(params, jnp.asarray(rows)))[:n])
   means, counts = bucket_means(np.concatenate(nll), edges)
   return {"edges": list(edges), "loss": means.tolist(), "tokens": counts.tolist(),
           "documents": int(docs_bt.shape[0])}
@@ -118,7 +128,7 @@ def loss_by_context(fn, params, docs_bt: np.ndarray, windows=WINDOWS, *, target_
                     batch_tokens: int = 8192) -> dict:
   """Mean loss of the last `target_len` tokens of each row of `docs_bt` [n, t] (the first t
   tokens of held-out documents), read in windows docs_bt[:, t - w:] (positions from 0) of
-  each length w in `windows`."""
+  each length w in `windows`; fn: `nll_fn(cfg)`."""
   t = docs_bt.shape[1]
   if not all(target_len < w <= t for w in windows):
     raise ValueError(f"windows={list(windows)}: expected target_len={target_len} < w <= "
@@ -127,8 +137,7 @@ def loss_by_context(fn, params, docs_bt: np.ndarray, windows=WINDOWS, *, target_
   for w in windows:
     nll = []
     for rows, n in _batches(docs_bt[:, t - w:], _rows_per_batch(w, batch_tokens)):
-      rows = jnp.asarray(rows)
-      nll.append(np.asarray(_token_nll_jit(fn(params, rows), rows))[:n, -target_len:])
+      nll.append(np.asarray(fn(params, jnp.asarray(rows)))[:n, -target_len:])
     loss.append(float(np.concatenate(nll).astype(np.float64).mean()))
   return {"windows": list(windows), "loss": loss, "target_len": target_len,
           "documents": int(docs_bt.shape[0])}
@@ -181,16 +190,16 @@ def evaluate(cfg, params, data_dir: str, *, edges=BUCKETS, windows=WINDOWS, leng
   if top > cfg.max_position_embeddings:
     raise ValueError(f"evaluation length {top} > the model's max_position_embeddings="
                      f"{cfg.max_position_embeddings}")
-  fn = logits_fn(cfg)
+  nll = nll_fn(cfg)
   t0 = time.perf_counter()
   docs = heldout_documents(data_dir, max(edges[-1], max(windows)), max_docs)
-  by_pos = loss_by_position(fn, params, docs[:, :edges[-1]], edges, batch_tokens=batch_tokens)
-  by_ctx = loss_by_context(fn, params, docs[:, :max(windows)], windows, target_len=target_len,
+  by_pos = loss_by_position(nll, params, docs[:, :edges[-1]], edges, batch_tokens=batch_tokens)
+  by_ctx = loss_by_context(nll, params, docs[:, :max(windows)], windows, target_len=target_len,
                            batch_tokens=batch_tokens)
   logging.info("loss by position and context: %d documents of %d tokens (%.1fs)", len(docs),
                docs.shape[1], time.perf_counter() - t0)
   tok = tokenizers.get_tokenizer(corpus.load_meta(data_dir)["tokenizer"])
   filler = passkey_lib.filler_from_corpus(data_dir, "validation")
-  pk = passkey_accuracy(fn, params, filler, tok, lengths=lengths, depths=depths,
+  pk = passkey_accuracy(logits_fn(cfg), params, filler, tok, lengths=lengths, depths=depths,
                         per_cell=per_cell, seed=seed, batch_tokens=batch_tokens)
   return {"loss_by_position": by_pos, "loss_by_context": by_ctx, "passkey": pk}

@@ -133,7 +133,7 @@ class Engine:
                shape_buckets: bool = True, weight_dtype: str = "float32",
                kv_dtype: str = "float32", quant_targets: str | None = None,
                quant_block: int | None = None, keep_indexer: bool = False,
-               record_routing: bool = False):
+               record_routing: bool = False, matvec_head: bool = True):
     """Args:
       cfg: ModelConfig.
       params: the model's parameter tree (nn.init_params / hf.load_pretrained / a trainer).
@@ -168,6 +168,11 @@ class Engine:
       kv_dtype: the latent KV cache's dtype ("float32", "bfloat16", "float8_e4m3fn").
       record_routing: requests may record each token's routed experts (`submit`); the steps
         then also return them.
+      matvec_head: on one CPU device with float32 weights, also serve the lm_head split at
+        the matmul's k-blocks, so that a step with one live lane (a lone request's decode
+        steps and MTP drafts) computes its logits with the matrix-vector kernel: the same
+        bits, ~2-3x faster, one more copy of the head in memory (inference/matvec.py;
+        `self.head_blocks` says whether it is served). False: never.
     """
     num_draft = cfg.mtp_num_steps if num_draft is None else num_draft
     _check_args(cfg, params, max_batch=max_batch, max_len=max_len, block_size=block_size,
@@ -204,7 +209,9 @@ class Engine:
                                version=version, stats=self.stats)
     self._packer = packing.Packer(max_batch, block_size, num_blocks, packing.pow2(per_request),
                                   self.prefill_chunk, min_tokens, n_shards, shape_buckets)
-    self._served = placement.Served(cfg, params, mesh, rules, weight_dtype, scheme)
+    self._served = placement.Served(cfg, params, mesh, rules, weight_dtype, scheme,
+                                    matvec_head)
+    self.head_blocks = self._served.head_blocks
     cache = layer_stack.init_cache(cfg, num_blocks * block_size, with_mtp=speculative,
                                    kv_dtype=self.kv_dtype)
     self._cache = jax.device_put(cache, self._served.shardings["cache"](cache))

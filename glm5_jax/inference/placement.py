@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from glm5_jax import nn as gnn
 from glm5_jax import sharding as shd
+from glm5_jax.inference import matvec
 from glm5_jax.inference import precision
 
 
@@ -63,26 +64,50 @@ def shardings(cfg, mesh, rules, served):
   return {"params": param_sh, "rows": rows, "cache": lambda c: jax.tree.map(pool, c)}
 
 
+def head_blocks(cfg, served, mesh):
+  """The k-blocks (inference/matvec.py) at which the engine serves a copy of its lm_head for
+  one-row steps, or None: on one CPU device with a float32 head of at least
+  `matvec.MIN_BYTES` and float32 activations, when `matvec.k_blocks` finds them for the
+  head's shape. `served`: the served tree's shapes."""
+  kernel = served["lm_head"]["kernel"]
+  if (mesh is not None or jax.devices()[0].platform != "cpu" or kernel.dtype != jnp.float32
+      or jnp.dtype(cfg.dtype) != jnp.float32 or kernel.size * 4 < matvec.MIN_BYTES):
+    return None
+  return matvec.k_blocks(*kernel.shape)
+
+
 class Served:
   """The parameters an engine serves: converted (precision.py: `weight_dtype`, `scheme`) on
-  the devices and committed to their shardings (`place`); `params` holds them."""
+  the devices and committed to their shardings (`place`); `params` holds them. With
+  `matvec_head` (and `head_blocks` found), they also hold the lm_head's kernel split at its
+  k-blocks (`matvec.HEAD_KEY`): one more copy of the head, for one-row decode steps."""
 
-  def __init__(self, cfg, params, mesh, rules, weight_dtype: str = "float32", scheme=None):
+  def __init__(self, cfg, params, mesh, rules, weight_dtype: str = "float32", scheme=None,
+               matvec_head: bool = False):
     self.template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
     self.mesh = mesh
     self._identity = weight_dtype == "float32" and scheme is None
     convert = lambda p: precision.convert(p, weight_dtype, scheme)
-    self.shardings = shardings(cfg, mesh, rules, jax.eval_shape(convert, self.template))
-    self._convert = jax.jit(convert, out_shardings=self.shardings["params"])
+    served = jax.eval_shape(convert, self.template)
+    self.head_blocks = head_blocks(cfg, served, mesh) if matvec_head else None
+    if self.head_blocks is not None:
+      self._split = jax.jit(functools.partial(matvec.split, bounds=self.head_blocks))
+      served = {**served, matvec.HEAD_KEY: jax.eval_shape(
+          self._split, served["lm_head"]["kernel"])}
+    self.shardings = shardings(cfg, mesh, rules, served)
+    converted_sh = {k: v for k, v in self.shardings["params"].items() if k != matvec.HEAD_KEY}
+    self._convert = jax.jit(convert, out_shardings=converted_sh)
     self.params, self._owned = place(self._converted(params), self.shardings["params"])
 
   def _converted(self, params):
-    """The parameters as served, computed on the devices into their shardings; the given
-    arrays when nothing is converted (float32)."""
-    if self._identity:
-      return params
-    with mesh_scope(self.mesh):
-      return self._convert(params)
+    """The parameters as served, computed on the devices into their shardings (the given
+    arrays when nothing is converted: float32), with the head's k-blocks when served."""
+    if not self._identity:
+      with mesh_scope(self.mesh):
+        params = self._convert(params)
+    if self.head_blocks is not None:
+      params = {**params, matvec.HEAD_KEY: self._split(params["lm_head"]["kernel"])}
+    return params
 
   def update(self, params) -> None:
     """Serves `params` instead (same tree, shapes and dtypes, every float finite); a

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from glm5_jax.inference import matvec
 from glm5_jax.inference import sampling
 from glm5_jax.nn import embed as embed_lib
 from glm5_jax.nn import kv_cache
@@ -89,13 +90,37 @@ def head(cfg, params, normed):
   return embed_lib.Head(cfg).apply({"params": params["lm_head"]}, normed)
 
 
+def lane_head(cfg, params, normed, live_b):
+  """float32 logits [b, (t,) V] of a call whose idle lanes mirror its live ones
+  (`mirror_idle`), normed [b, (t,) d].
+
+  With one live lane, the head's k-blocks served (`params[matvec.HEAD_KEY]`, placement.py)
+  and at most `matvec.MAX_ROWS` tokens per lane, every lane gets the live lane's rows
+  through the matrix-vector kernel (inference/matvec.py: the matmul's bits, 2-3x its
+  bandwidth per row); otherwise, and whenever more lanes are live, the trainer's lm_head
+  over all lanes."""
+  blocks = params.get(matvec.HEAD_KEY)
+  rows_per_lane = 1 if normed.ndim == 2 else normed.shape[1]
+  if blocks is None or rows_per_lane > matvec.MAX_ROWS:
+    return head(cfg, params, normed)
+  def one_lane():
+    rows = normed[jnp.argmax(live_b)].reshape(rows_per_lane, -1)
+    logits = jnp.stack([matvec.matvec(r, blocks) for r in rows])
+    return jnp.broadcast_to(logits.reshape(normed.shape[1:-1] + logits.shape[-1:]),
+                            normed.shape[:-1] + logits.shape[-1:])
+  return jax.lax.cond(jnp.sum(live_b) <= 1, one_lane, lambda: head(cfg, params, normed))
+
+
 def mtp(cfg, block_size, params, cache, table_bm, next_tokens_bt, h_prev_btd, start_b,
-        n_valid_b, first_valid_b=None):
-  """The MTP layer over a chunk of rows start[b] + i. Returns (h, logits, updated cache)."""
+        n_valid_b, first_valid_b=None, live_b=None):
+  """The MTP layer over a chunk of rows start[b] + i. Returns (h, logits, updated cache);
+  `live_b`: the live lanes, the others mirroring them (`lane_head`)."""
   idx = kv_cache.chunk_index(table_bm, block_size, start_b, n_valid_b, next_tokens_bt.shape[1],
                              num_rows(cache), first_valid_b)
-  h, logits, mtp_cache = mtp_lib.mtp_step(cfg, params, next_tokens_bt, h_prev_btd,
+  h, normed, mtp_cache = mtp_lib.mtp_step(cfg, params, next_tokens_bt, h_prev_btd,
                                           idx.limit_bt, cache["mtp"], idx)
+  logits = (head(cfg, params, normed) if live_b is None
+            else lane_head(cfg, params, normed, live_b))
   return h, logits, {**cache, "mtp": mtp_cache}
 
 
@@ -198,7 +223,7 @@ def decode(cfg, block_size, n_steps, params, cache, table_bm, st, routing: bool 
     tok, pos, table = mirror_idle(st["active"], st["tok"], st["pos"], table_bm)
     out, cache = forward(cfg, block_size, params, cache, table, tok[:, None], pos, emit,
                          routing)
-    tok, lp = _pick(head(cfg, params, out.hidden[:, 0]), st)
+    tok, lp = _pick(lane_head(cfg, params, out.hidden[:, 0], st["active"]), st)
     topk = _stack_topk(out.topk_indices)
     res = {"tok": tok, "logprob": lp, "emit": emit, "pos": st["pos"],
            "topk": None if topk is None else topk[:, :, 0],
@@ -273,7 +298,7 @@ def speculative_round(cfg, block_size, n_draft, params, cache, fold, table_bm, s
   live = st["active"]
   h, logits, cache = mtp(cfg, block_size, params, cache,
                          *mirror_idle(live, table_bm, fold["tok"], fold["h"], n0 - fn),
-                         fn * act)
+                         fn * act, live_b=live)
   at = jnp.maximum(fn - 1, 0)[:, None, None]
   h1 = jnp.take_along_axis(h, at, axis=1)[:, 0]
   tok1, logq1 = sample_draft(jnp.take_along_axis(logits, at, axis=1)[:, 0], 0)
@@ -289,7 +314,7 @@ def speculative_round(cfg, block_size, n_draft, params, cache, fold, table_bm, s
                            *mirror_idle(pad_live, pad_table, pad_lanes(tok_b[:, None], lanes),
                                         pad_lanes(h_bd[:, None], lanes),
                                         pad_lanes(n0 - 1 + k, lanes)),
-                           pad_lanes(act, lanes))
+                           pad_lanes(act, lanes), live_b=pad_live)
     tok_b, logq = sample_draft(logits[:b, 0], k)
     return (cache, tok_b, h[:b, 0].astype(h_bd.dtype)), (tok_b, logq)
 
@@ -303,7 +328,7 @@ def speculative_round(cfg, block_size, n_draft, params, cache, fold, table_bm, s
   out, cache = forward(cfg, block_size, params, cache, *mirror_idle(live, table_bm, vtok, n0),
                        act * (d + 1), routing)
   h0 = out.last_hidden
-  logits = head(cfg, params, out.hidden)                                 # [b, D+1, V]
+  logits = lane_head(cfg, params, out.hidden, live)                      # [b, D+1, V]
   v = logits.shape[-1]
 
   # 3. Accept, then cut at a stop token or the budget.

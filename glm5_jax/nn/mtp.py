@@ -90,14 +90,15 @@ def run_steps(step: MTPStep, embed: embed_lib.Embed, head: embed_lib.Head, token
 def mtp_step(cfg, params, next_tokens_bt, h_prev_btd, positions_bt, mtp_cache, cache_index):
   """One step of the shared MTP module over its own KV pool (the engine's drafts).
 
-  The same modules as the training steps (Embed, MTPStep, Head on their parameter
-  subtrees of the GLM5 tree): row i combines the embedding of the token after position
+  The same modules as the training steps (Embed, MTPStep on their parameter subtrees of
+  the GLM5 tree): row i combines the embedding of the token after position
   positions[i] with the hidden state h_prev at positions[i] (embedding first, paper §2.1).
 
-  Returns (h [b,t,d] before the head norm, logits float32 [b,t,V], updated MTP pool).
+  Returns (h [b,t,d] before the head norm, the head's input (head-normed h) [b,t,d],
+  updated MTP pool): the engine applies the lm_head (`Head`) to the second.
   """
   inputs = layer_io.LayerInputs.create(cfg, positions_bt, cache_index=cache_index)
   emb = embed_lib.Embed(cfg).apply({"params": params["embed"]}, next_tokens_bt)
   h, normed, _, mtp_cache = MTPStep(cfg).apply(
       {"params": params["mtp"]}, emb, h_prev_btd.astype(emb.dtype), inputs, mtp_cache)
-  return h, embed_lib.Head(cfg).apply({"params": params["lm_head"]}, normed), mtp_cache
+  return h, normed, mtp_cache

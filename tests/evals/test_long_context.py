@@ -161,7 +161,8 @@ def test_loss_by_context_scores_the_same_last_tokens(tiny_cfg, tiny_params, rng)
   cfg = tiny_cfg.replace(attention_type="dense")
   fn = long_context.logits_fn(cfg)
   docs = rng.integers(0, 256, (4, 48)).astype(np.int32)
-  got = long_context.loss_by_context(fn, tiny_params, docs, (24, 48), target_len=8,
+  nll = long_context.nll_fn(cfg, chunk_size=10)   # several chunks: the same nll as the logits'
+  got = long_context.loss_by_context(nll, tiny_params, docs, (24, 48), target_len=8,
                                      batch_tokens=96)        # batches of 4 x 24 and 2 x 48
   for w, loss in zip((24, 48), got["loss"]):
     nll = []
@@ -170,7 +171,7 @@ def test_loss_by_context_scores_the_same_last_tokens(tiny_cfg, tiny_params, rng)
       nll.append(np.asarray(long_context.token_nll(fn(tiny_params, rows), rows))[:, -8:])
     np.testing.assert_allclose(loss, np.concatenate(nll).mean(), rtol=1e-6)  # float32 means
   with pytest.raises(ValueError, match="target_len"):
-    long_context.loss_by_context(fn, tiny_params, docs, (8, 48), target_len=8)
+    long_context.loss_by_context(nll, tiny_params, docs, (8, 48), target_len=8)
 
 
 def test_eval_end_to_end_on_a_random_tiny_model(tiny_cfg, tiny_params, data_dir, tmp_path):
