@@ -58,7 +58,7 @@ def candidates(k: int) -> list[tuple[int, ...]]:
   out = [(0, k)]
   for kmax in KMAX_CANDIDATES:
     n = -(-k // kmax)
-    kc = -(-(-(-k // n)) // 8) * 8
+    kc = 8 * math.ceil(math.ceil(k / n) / 8)
     bounds = tuple(range(0, k, kc)) + (k,)
     if bounds not in out:
       out.append(bounds)
