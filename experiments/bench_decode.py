@@ -31,9 +31,9 @@ Sections (`--sections`, default all):
               floor time, the engine's measured step time (decode seconds / decode steps of
               `generate`, greedy, the prompts' blocks cached after the first run) and
               floor / step. Batch-invariant engine (RL's exactness mode: a lone request
-              runs 8 lanes on CPU), with and without its one-row head
-              (`--floor_matvec_head`, inference/matvec.py). Medians of `--floor_repeats`
-              interleaved runs.
+              runs 8 lanes on CPU), per engine variant of `--floor_engines`
+              (FLOOR_ENGINES: the streamed kernel, glm5_jax/stream_matmul.py; the one-row
+              head, inference/matvec.py). Medians of `--floor_repeats` interleaved runs.
 
 Writes the JSON of every section and prints a table per section.
 """
@@ -45,7 +45,11 @@ import time
 
 from absl import app
 from absl import flags
-import jax
+
+from glm5_jax import numerics
+numerics.batch_invariant_cpu()   # before JAX starts: the engine as RL runs it (bitwise the trainer)
+
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax.numpy as jnp
 import numpy as np
 
@@ -83,9 +87,14 @@ _FLOOR_CONTEXTS = flags.DEFINE_list("floor_contexts", ["32", "1024", "4096"],
 _FLOOR_NEW = flags.DEFINE_integer("floor_new_tokens", 33, "floor: tokens generated per "
                                   "request (the first by the prefill)")
 _FLOOR_REPEATS = flags.DEFINE_integer("floor_repeats", 5, "floor: interleaved timed runs")
-_FLOOR_MATVEC = flags.DEFINE_list("floor_matvec_head", ["1", "0"], "floor: engines with the "
-                                  "one-row head (1, Engine's default) and/or without (0), "
-                                  "timed interleaved")
+# Engine variants the floor section times, interleaved: Engine keyword arguments.
+FLOOR_ENGINES = {
+    "default": dict(),                                           # streamed + one-row head
+    "xla": dict(stream_matmul=False),                            # XLA's matmuls, one-row head
+    "xla_8lane_head": dict(stream_matmul=False, matvec_head=False),
+}
+_FLOOR_ENGINES = flags.DEFINE_list("floor_engines", ["default", "xla"],
+                                   f"floor: engine variants, of {sorted(FLOOR_ENGINES)}")
 _OUT = flags.DEFINE_string("out", "bench_decode.json", "JSON output path")
 
 
@@ -404,8 +413,7 @@ def bench_floor(cfg, params):
                                                            record_routing=True), ctx, n_new)
               for b in batches}
       del recorder
-      engines = {v == "1": Engine(c, params, matvec_head=v == "1", **kw)
-                 for v in _FLOOR_MATVEC.value}
+      engines = {v: Engine(c, params, **FLOOR_ENGINES[v], **kw) for v in _FLOOR_ENGINES.value}
       runs = [(mv, b) for b in batches for mv in engines]
       for mv, b in runs:                                  # compile; the prompts' blocks cached
         engines[mv].generate(prompts[:b], sp)
@@ -419,12 +427,13 @@ def bench_floor(cfg, params):
         step_s = float(np.median(times[mv, b]))
         floor_s = need[b]["total"] / (gbs * 1e9)
         rows.append({"preset": name, "context": ctx, "batch": b, "stream_gbs": gbs,
-                     "matvec_head": engines[mv].head_blocks is not None,
+                     "engine": mv, "matvec_head": engines[mv].head_blocks is not None,
+                     "stream_matmul": engines[mv].stream_plan is not None,
                      **{f"{k}_bytes": v for k, v in need[b].items()}, "floor_ms": floor_s * 1e3,
                      "step_ms": step_s * 1e3, "step_ms_all": [t * 1e3 for t in times[mv, b]],
                      "fraction": floor_s / step_s})
         r = rows[-1]
-        print(f"  {name:>5} ctx {ctx:>5} batch {b:>3} one-row head {str(r['matvec_head']):>5}: "
+        print(f"  {name:>5} ctx {ctx:>5} batch {b:>3} {mv:>14}: "
               f"{r['total_bytes'] / 1e6:8.1f} MB (weights {r['weights_bytes'] / 1e6:.1f}, "
               f"experts {r['experts_bytes'] / 1e6:.1f}, kv {r['kv_bytes'] / 1e6:.1f})  floor "
               f"{r['floor_ms']:7.2f} ms  step {r['step_ms']:7.2f} ms  {r['fraction']:6.1%}",
@@ -437,8 +446,9 @@ def main(argv):
   bad = set(_SECTIONS.value) - set(SECTIONS)
   if bad:
     raise ValueError(f"--sections: {sorted(bad)} unknown; expected any of {SECTIONS}")
-  if not set(_FLOOR_MATVEC.value) <= {"0", "1"}:
-    raise ValueError(f"--floor_matvec_head={_FLOOR_MATVEC.value}: expected 1 and/or 0")
+  if not set(_FLOOR_ENGINES.value) <= set(FLOOR_ENGINES):
+    raise ValueError(f"--floor_engines={_FLOOR_ENGINES.value}: expected any of "
+                     f"{sorted(FLOOR_ENGINES)}")
   cfg, params, weights = _model()
   result = {"machine": f"{platform.node()} ({platform.processor() or platform.machine()}, "
                        f"{jax.devices()[0].platform}, {jax.device_count()} device(s))",

@@ -133,7 +133,8 @@ class Engine:
                shape_buckets: bool = True, weight_dtype: str = "float32",
                kv_dtype: str = "float32", quant_targets: str | None = None,
                quant_block: int | None = None, keep_indexer: bool = False,
-               record_routing: bool = False, matvec_head: bool = True):
+               record_routing: bool = False, matvec_head: bool = True,
+               stream_matmul: bool = True):
     """Args:
       cfg: ModelConfig.
       params: the model's parameter tree (nn.init_params / hf.load_pretrained / a trainer).
@@ -173,6 +174,11 @@ class Engine:
         steps and MTP drafts) computes its logits with the matrix-vector kernel: the same
         bits, ~2-3x faster, one more copy of the head in memory (inference/matvec.py;
         `self.head_blocks` says whether it is served). False: never.
+      stream_matmul: on one CPU device with float32 weights, decode steps (calls of at most
+        `nn.params.STREAM_MAX_ROWS` tokens) multiply the decoder's and the MTP layer's
+        dense weights with the streamed kernel (glm5_jax/stream_matmul.py: XLA's matmul's
+        bits, each weight read once from its layer stack, a mirrored lane computed once;
+        `self.stream_plan` lists them). False, or the kernel not built: XLA's matmul.
     """
     num_draft = cfg.mtp_num_steps if num_draft is None else num_draft
     _check_args(cfg, params, max_batch=max_batch, max_len=max_len, block_size=block_size,
@@ -210,8 +216,9 @@ class Engine:
     self._packer = packing.Packer(max_batch, block_size, num_blocks, packing.pow2(per_request),
                                   self.prefill_chunk, min_tokens, n_shards, shape_buckets)
     self._served = placement.Served(cfg, params, mesh, rules, weight_dtype, scheme,
-                                    matvec_head)
+                                    matvec_head, stream_matmul)
     self.head_blocks = self._served.head_blocks
+    self.stream_plan = self._served.stream_plan
     cache = layer_stack.init_cache(cfg, num_blocks * block_size, with_mtp=speculative,
                                    kv_dtype=self.kv_dtype)
     self._cache = jax.device_put(cache, self._served.shardings["cache"](cache))

@@ -42,27 +42,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from glm5_jax import numerics
+from glm5_jax.stream_matmul import candidates
 
-KMAX_CANDIDATES = (320, 384, 256, 512, 192, 128)   # Eigen's largest kc, most likely first
 HEAD_KEY = "lm_head_matvec"     # served parameters: the head's kernel split at its k-blocks
 # Rows up to which that many matrix-vector products of `small`'s head (1.7-2.1 ms each at
 # 30-40 GB/s on this project's VM) beat one 8-row matmul (4.5-6.4 ms): 2.
 MAX_ROWS = 2
 MIN_BYTES = 256 * 1024     # a smaller head keeps the matmul (in cache, nothing to gain)
-
-
-def candidates(k: int) -> list[tuple[int, ...]]:
-  """Block bounds (0, kc, 2 kc, .., k) Eigen's blocking rule can give for k: n = ceil(k / kmax)
-  blocks of kc = ceil(k / n) rounded up to a multiple of 8, for each kmax of
-  KMAX_CANDIDATES; the single block (0, k) first."""
-  out = [(0, k)]
-  for kmax in KMAX_CANDIDATES:
-    n = -(-k // kmax)
-    kc = 8 * math.ceil(math.ceil(k / n) / 8)
-    bounds = tuple(range(0, k, kc)) + (k,)
-    if bounds not in out:
-      out.append(bounds)
-  return out
 
 
 def _matmul(x_rk, w_kn):

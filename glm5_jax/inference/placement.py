@@ -21,8 +21,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from glm5_jax import nn as gnn
 from glm5_jax import sharding as shd
+from glm5_jax import stream_matmul
 from glm5_jax.inference import matvec
 from glm5_jax.inference import precision
+from glm5_jax.inference import steps
+from glm5_jax.nn import layer_stack
+from glm5_jax.nn import params as params_lib
+
+STREAM_MIN_BYTES = 128 * 1024   # a smaller weight (per layer) keeps XLA's matmul
 
 
 def serving_shardings(cfg, mesh, rules=None):
@@ -76,14 +82,51 @@ def head_blocks(cfg, served, mesh):
   return matvec.k_blocks(*kernel.shape)
 
 
+def stream_plan(cfg, served, mesh):
+  """{path: layer indices} of the weights the engine streams (glm5_jax/stream_matmul.py), or
+  None: on one CPU device with float32 activations and the kernel built, the float32
+  matrices that the decoder stacks and the MTP layer multiply through `nn.params.dense` and
+  their routed experts (`ffn.looped_swiglu`), of at least STREAM_MIN_BYTES per layer (per
+  expert), whose block size `stream_matmul.kc` finds. The
+  leaves are int32 [R] (a stack's layers) or int32 [] (the MTP layer): the served tree's
+  `steps.STREAM_KEY` entry. `served`: the served tree's shapes."""
+  if (mesh is not None or jax.devices()[0].platform != "cpu"
+      or jnp.dtype(cfg.dtype) != jnp.float32 or not stream_matmul.available()):
+    return None
+  plan = {}
+  roots = layer_stack.STACK_NAMES + ("mtp",)
+  for path, leaf in jax.tree_util.tree_leaves_with_path(
+      {k: v for k, v in served.items() if k in roots}):
+    keys = tuple(str(getattr(p, "key", p)) for p in path)
+    n = params_lib.DENSE_WEIGHTS.get(keys[-1])
+    stacked = keys[0] != "mtp"
+    shape = leaf.shape[1:] if stacked else leaf.shape
+    if "experts" in keys:                  # [E, K, N]: each expert's matrix (nn/ffn.py)
+      shape, n = shape[1:], 1
+    if (n is None or leaf.dtype != jnp.float32 or np.prod(shape) * 4 < STREAM_MIN_BYTES):
+      continue
+    k = int(np.prod(shape[:n]))
+    if stream_matmul.kc(k, int(np.prod(shape)) // k) is None:
+      continue
+    node = plan
+    for key in keys[:-1]:
+      node = node.setdefault(key, {})
+    node[keys[-1]] = (np.arange(leaf.shape[0], dtype=np.int32) if stacked
+                      else np.zeros((), np.int32))
+  return plan or None
+
+
 class Served:
   """The parameters an engine serves: converted (precision.py: `weight_dtype`, `scheme`) on
   the devices and committed to their shardings (`place`); `params` holds them. With
   `matvec_head` (and `head_blocks` found), they also hold the lm_head's kernel split at its
-  k-blocks (`matvec.HEAD_KEY`): one more copy of the head, for one-row decode steps."""
+  k-blocks (`matvec.HEAD_KEY`): one more copy of the head, for one-row decode steps. With
+  `stream` (and `stream_plan` found), they hold the streamed weights' layer indices
+  (`steps.STREAM_KEY`), which make the steps multiply those weights with
+  glm5_jax/stream_matmul.py."""
 
   def __init__(self, cfg, params, mesh, rules, weight_dtype: str = "float32", scheme=None,
-               matvec_head: bool = False):
+               matvec_head: bool = False, stream: bool = False):
     self.template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
     self.mesh = mesh
     self._identity = weight_dtype == "float32" and scheme is None
@@ -94,8 +137,12 @@ class Served:
       self._split = jax.jit(functools.partial(matvec.split, bounds=self.head_blocks))
       served = {**served, matvec.HEAD_KEY: jax.eval_shape(
           self._split, served["lm_head"]["kernel"])}
+    self.stream_plan = stream_plan(cfg, served, mesh) if stream else None
+    if self.stream_plan is not None:
+      served = {**served, steps.STREAM_KEY: jax.eval_shape(lambda: self.stream_plan)}
     self.shardings = shardings(cfg, mesh, rules, served)
-    converted_sh = {k: v for k, v in self.shardings["params"].items() if k != matvec.HEAD_KEY}
+    converted_sh = {k: v for k, v in self.shardings["params"].items()
+                    if k not in (matvec.HEAD_KEY, steps.STREAM_KEY)}
     self._convert = jax.jit(convert, out_shardings=converted_sh)
     self.params, self._owned = place(self._converted(params), self.shardings["params"])
 
@@ -107,6 +154,8 @@ class Served:
         params = self._convert(params)
     if self.head_blocks is not None:
       params = {**params, matvec.HEAD_KEY: self._split(params["lm_head"]["kernel"])}
+    if self.stream_plan is not None:
+      params = {**params, steps.STREAM_KEY: self.stream_plan}
     return params
 
   def update(self, params) -> None:

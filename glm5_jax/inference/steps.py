@@ -45,6 +45,20 @@ from glm5_jax.nn import embed as embed_lib
 from glm5_jax.nn import kv_cache
 from glm5_jax.nn import model as model_lib
 from glm5_jax.nn import mtp as mtp_lib
+from glm5_jax.nn import params as params_lib
+
+STREAM_KEY = "stream_layers"   # served parameters: the streamed weights' layer indices
+
+
+def streamed(params, part: str):
+  """The variable collections that stream the weights of `params[part]` ("layers": the
+  decoder stacks; "mtp") the engine serves streamed (`params[STREAM_KEY]`,
+  placement.py `stream_plan`), paths relative to the module applied; {} if none."""
+  plan = params.get(STREAM_KEY, {})
+  if part == "mtp":
+    return params_lib.stream_collections(params["mtp"], plan["mtp"]) if "mtp" in plan else {}
+  layers = {k: v for k, v in plan.items() if k != "mtp"}
+  return params_lib.stream_collections(params, layers) if layers else {}
 
 
 _INT_FIELDS = ("tok", "pos", "active", "n_gen", "budget", "seed", "req", "top_k")
@@ -80,7 +94,7 @@ def forward(cfg, block_size, params, cache, table_bm, tokens_bt, start_b, n_vali
   experts), updated cache)."""
   idx = kv_cache.chunk_index(table_bm, block_size, start_b, n_valid_b, tokens_bt.shape[1],
                              num_rows(cache))
-  return model_lib.GLM5(cfg).apply({"params": params}, tokens_bt, idx.limit_bt, cache=cache,
+  return model_lib.GLM5(cfg).apply({"params": params, **streamed(params, "layers")}, tokens_bt, idx.limit_bt, cache=cache,
                                    cache_index=idx, return_topk=True, return_logits=False,
                                    return_routing=routing)
 
@@ -118,7 +132,8 @@ def mtp(cfg, block_size, params, cache, table_bm, next_tokens_bt, h_prev_btd, st
   idx = kv_cache.chunk_index(table_bm, block_size, start_b, n_valid_b, next_tokens_bt.shape[1],
                              num_rows(cache), first_valid_b)
   h, normed, mtp_cache = mtp_lib.mtp_step(cfg, params, next_tokens_bt, h_prev_btd,
-                                          idx.limit_bt, cache["mtp"], idx)
+                                          idx.limit_bt, cache["mtp"], idx,
+                                          streamed(params, "mtp"))
   logits = (head(cfg, params, normed) if live_b is None
             else lane_head(cfg, params, normed, live_b))
   return h, logits, {**cache, "mtp": mtp_cache}

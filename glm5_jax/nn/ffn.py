@@ -26,12 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from glm5_jax import quant
+from glm5_jax import stream_matmul
 from glm5_jax.nn import params as P
-
-
-def swiglu(x, w_gate, w_up, w_down):
-  """down(silu(x W_gate) * (x W_up))."""
-  return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
 
 
 class MLP(nn.Module):
@@ -47,7 +43,10 @@ class MLP(nn.Module):
     w_gate = P.param(self, "w_gate", init, (d, f), ("embed", self.axis), pd)
     w_up = P.param(self, "w_up", init, (d, f), ("embed", self.axis), pd)
     w_down = P.param(self, "w_down", init, (f, d), (self.axis, "embed"), pd)
-    return swiglu(x_btd.astype(dt), w_gate.astype(dt), w_up.astype(dt), w_down.astype(dt))
+    x = x_btd.astype(dt)
+    h = (jax.nn.silu(P.dense(self, "w_gate", x, w_gate.astype(dt)))
+         * P.dense(self, "w_up", x, w_up.astype(dt)))
+    return P.dense(self, "w_down", h, w_down.astype(dt))
 
 
 def routed_swiglu(kernel, x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid, *,
@@ -159,7 +158,8 @@ def blocked_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid):
   return _combine(x_nd, ys, row, order, token_of, weights_nk), sizes
 
 
-def looped_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid, layer=None):
+def looped_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid, layer=None,
+                  stream: bool = False):
   """`blocked_swiglu`'s result (the same bits), computing only the blocks that hold rows:
   a loop over them, each taking its expert's matrices and running three [B, d] matmuls.
   For the engine's forward over a KV cache, never differentiated (a loop of dynamic length).
@@ -175,6 +175,9 @@ def looped_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid, la
   with the repeat's index, nn/layer_stack.py): each block then reads its expert's matrices
   out of the stack; a stack sliced per layer outside the loop would be copied whole, every
   layer and step, before the loop could start.
+  stream: the three matmuls read the expert's matrices straight from the (stacked) weights
+  with the streamed CPU kernel (glm5_jax/stream_matmul.py: the same bits, no copy, a block's
+  mirrored rows computed once); float32 weights only (the engine's `stream_plan`).
   """
   n, k = ids_nk.shape
   e, d = w_gate_edi.shape[-3], x_nd.shape[1]
@@ -186,11 +189,20 @@ def looped_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid, la
     at = (i,) if layer is None else (layer, i)
     return quant.materialize(jax.tree.map(lambda a: a[at], w), x_nd.dtype)
 
+  def matmul(x, w, i):
+    if not stream:
+      return jnp.einsum("sd,di->si", x, expert(w, i))
+    kc = stream_matmul.kc(*w.shape[-2:])
+    if kc is None:
+      raise ValueError(f"looped_swiglu: stream=True, but stream_matmul.kc{w.shape[-2:]} found "
+                       "no block size (inference/placement.py stream_plan checks it)")
+    at = i if layer is None else layer * e + i
+    return stream_matmul.matmul(x, w.reshape(-1, *w.shape[-2:]), at, kc)
+
   def block(j, ys):
     x, i = xs[j], block_expert[j]
-    h = (jax.nn.silu(jnp.einsum("sd,di->si", x, expert(w_gate_edi, i)))
-         * jnp.einsum("sd,di->si", x, expert(w_up_edi, i)))
-    return ys.at[j].set(jnp.einsum("si,id->sd", h, expert(w_down_eid, i)))
+    h = jax.nn.silu(matmul(x, w_gate_edi, i)) * matmul(x, w_up_edi, i)
+    return ys.at[j].set(matmul(h, w_down_eid, i))
 
   ys = jax.lax.fori_loop(0, used, block, jnp.zeros((nb, b, d), x_nd.dtype))
   return _combine(x_nd, ys.reshape(nb * b, d), row, order, token_of, weights_nk), sizes

@@ -51,13 +51,13 @@ class Indexer(nn.Module):
     x = jax.lax.stop_gradient(x_btd).astype(jnp.float32)
     cq = jax.lax.stop_gradient(cq_btr).astype(jnp.float32)
 
-    q = jnp.einsum("btr,rjd->btjd", cq, wq_b.astype(jnp.float32))
+    q = P.dense(self, "wq_b", cq, wq_b.astype(jnp.float32))
     k = norms.LayerNorm(eps=1e-6, axis_name="index_head_dim", param_dtype=cfg.param_dtype,
-                        name="k_norm")(x @ wk.astype(jnp.float32))
+                        name="k_norm")(P.dense(self, "wk", x, wk.astype(jnp.float32)))
     il = cfg.indexer_rope_interleave
     q = jnp.concatenate([rope.apply_rope(q[..., :rd], cos, sin, interleave=il), q[..., rd:]], -1)
     k = jnp.concatenate([rope.apply_rope(k[..., :rd], cos, sin, interleave=il), k[..., rd:]], -1)
-    w = (x @ w_proj.astype(jnp.float32)) * hi ** -0.5
+    w = P.dense(self, "weights_proj", x, w_proj.astype(jnp.float32)) * hi ** -0.5
     return q * di ** -0.5, k, w
 
 

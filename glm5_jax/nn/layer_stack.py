@@ -32,6 +32,7 @@ from glm5_jax.nn import decoder as decoder_lib
 from glm5_jax.nn import indexer as indexer_lib
 from glm5_jax.nn import kv_cache
 from glm5_jax.nn import layer_io
+from glm5_jax.nn import params as P
 
 LAYERS_AXIS = "layers"              # logical name of the stacked axis
 STACK_NAMES = ("dense_layers", "moe_layers")
@@ -156,9 +157,11 @@ class LayerBlock(nn.Module):
 
 
 def scanned(stack: LayerStack):
-  """`LayerBlock` scanned `stack.repeats` times, parameters stacked on the `layers` axis."""
-  return nn.scan(LayerBlock, variable_axes={"params": 0, "intermediates": 0},
-                 split_rngs={"params": True},
+  """`LayerBlock` scanned `stack.repeats` times, parameters stacked on the `layers` axis (the
+  engine's streamed weights: their stacks broadcast whole, their layer indices scanned,
+  nn/params.py `dense`)."""
+  return nn.scan(LayerBlock, variable_axes={"params": 0, "intermediates": 0, P.STREAM_LAYER: 0},
+                 variable_broadcast=P.STREAM_W, split_rngs={"params": True},
                  in_axes=(nn.broadcast, 0, 0, nn.broadcast),
                  length=stack.repeats, metadata_params={nn.PARTITION_NAME: LAYERS_AXIS})
 

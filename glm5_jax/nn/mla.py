@@ -182,11 +182,12 @@ class MLA(nn.Module):
 
     x = x_btd.astype(dt)
     # docs/design.md §2 gotcha: q_a_layernorm / kv_a_layernorm use eps 1e-6, not rms_norm_eps.
-    c_q = norms.RMSNorm(1e-6, "q_lora", pd, dt, name="q_norm")(x @ wq_a.astype(dt))
-    q = jnp.einsum("btr,rhk->bthk", c_q, wq_b)
+    c_q = norms.RMSNorm(1e-6, "q_lora", pd, dt, name="q_norm")(
+        P.dense(self, "wq_a", x, wq_a.astype(dt)))
+    q = P.dense(self, "wq_b", c_q, wq_b)
     q_nope, q_rope = q[..., :n], rope.apply_rope(q[..., n:], cos, sin,
                                                  interleave=cfg.rope_interleave)
-    ckv = x @ wkv_a.astype(dt)
+    ckv = P.dense(self, "wkv_a", x, wkv_a.astype(dt))
     c_kv = norms.RMSNorm(1e-6, "kv_lora", pd, dt, name="kv_norm")(ckv[..., :c])
     k_rope = rope.apply_rope(ckv[..., c:], cos, sin, interleave=cfg.rope_interleave)
     # Keys: the compressed rows (latent + rope key), all of them, in natural order.
@@ -237,7 +238,7 @@ class MLA(nn.Module):
         raise ValueError("a 'shared' indexer layer needs the previous full layer's top-k")
       o = local(lambda qn, qr, idx, *kw: mla_sparse_attention(cfg, qn, qr, *kw, idx),
                 (q_nope, q_rope, indices), (kv, w_uk, w_uv))
-    out = jnp.einsum("bthv,hvd->btd", o, wo.astype(dt))
+    out = P.dense(self, "wo", o, wo.astype(dt))
 
     kl = None
     if inputs.with_indexer_loss and self.has_indexer:

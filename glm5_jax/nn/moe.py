@@ -69,7 +69,7 @@ def route(cfg, x_nd, router_de, bias_e, replay_nk=None):
   return ids.astype(jnp.int32), weights * cfg.routed_scaling_factor
 
 
-def select_dispatch(cfg, n_tokens: int, cached: bool = False, stack=None):
+def select_dispatch(cfg, n_tokens: int, cached: bool = False, stack=None, stream: bool = False):
   """The routed-expert kernel for n_tokens tokens (static), per the module docstring table.
 
   Expert-parallel all-to-all, when active, is kept regardless of the token count;
@@ -77,7 +77,8 @@ def select_dispatch(cfg, n_tokens: int, cached: bool = False, stack=None):
   `ffn.routed_swiglu`: blocked_swiglu on XLA:CPU, or with `cached` (the engine's forward
   over a KV cache, never differentiated) looped_swiglu, its blocks in use only. `stack`:
   ((w_gate, w_up, w_down) stacked [R, E, ...], layer index) — the CPU loop then reads the
-  experts out of the whole stack (`ffn.looped_swiglu`).
+  experts out of the whole stack (`ffn.looped_swiglu`); `stream`: with the streamed CPU
+  kernel (the engine's streamed forward, nn/params.py STREAM_W).
   """
   if cfg.expert_dispatch == "all_to_all" and moe_ep.expert_parallel_size() > 1:
     return functools.partial(moe_ep.ep_grouped_swiglu,   # all-to-all inside shard_map
@@ -87,9 +88,9 @@ def select_dispatch(cfg, n_tokens: int, cached: bool = False, stack=None):
   cpu = ffn.blocked_swiglu
   if stack is not None:
     ws, layer = stack
-    cpu = lambda x, ids, wts, *_: ffn.looped_swiglu(x, ids, wts, *ws, layer=layer)
+    cpu = lambda x, ids, wts, *_: ffn.looped_swiglu(x, ids, wts, *ws, layer=layer, stream=stream)
   elif cached:
-    cpu = ffn.looped_swiglu
+    cpu = functools.partial(ffn.looped_swiglu, stream=stream)
   return functools.partial(ffn.routed_swiglu, kernel, cpu=cpu)
 
 
@@ -115,7 +116,8 @@ class MoE(nn.Module):
     x = x_btd.reshape(b * t, d)
     replay = None if replay_btk is None else replay_btk.reshape(b * t, -1)
     ids, weights = router(x, replay)
-    dispatch = select_dispatch(cfg, b * t, cached, stack)
+    streamed = "experts" in self.variables.get(P.STREAM_W, {})   # the engine's, per its plan
+    dispatch = select_dispatch(cfg, b * t, cached, stack, cached and streamed)
     # Quantized experts (the engine's INT4 / FP8 weights) stay packed into the kernel, which
     # gathers the experts its tokens use before dequantizing them (nn/ffn.py).
     ws = [w.replace(dtype=jnp.dtype(dt).name) if quant.is_qarray(w) else w.astype(dt)

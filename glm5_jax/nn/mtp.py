@@ -55,7 +55,8 @@ class MTPStep(nn.Module):
     e = norms.RMSNorm(cfg.rms_norm_eps, param_dtype=pd, name="enorm")(emb_btd)
     hh = norms.RMSNorm(cfg.rms_norm_eps, param_dtype=pd, name="hnorm")(h_prev_btd)
     eh_proj = P.param(self, "eh_proj", P.dense_init(cfg), (2 * d, d), ("mtp_concat", "embed"), pd)
-    x = jnp.concatenate([e, hh], axis=-1) @ eh_proj.astype(e.dtype)    # embedding FIRST
+    x = P.dense(self, "eh_proj", jnp.concatenate([e, hh], axis=-1),   # embedding FIRST
+                eh_proj.astype(e.dtype))
     layer = decoder_lib.remat_layer(cfg)(cfg, moe=cfg.is_moe_layer(cfg.num_hidden_layers),
                                          name="layer")
     h, aux, cache = layer(x, inputs, cache=cache)
@@ -87,7 +88,8 @@ def run_steps(step: MTPStep, embed: embed_lib.Embed, head: embed_lib.Head, token
       expert_load=jnp.stack(loads) if loads[0] is not None else None)
 
 
-def mtp_step(cfg, params, next_tokens_bt, h_prev_btd, positions_bt, mtp_cache, cache_index):
+def mtp_step(cfg, params, next_tokens_bt, h_prev_btd, positions_bt, mtp_cache, cache_index,
+             collections=None):
   """One step of the shared MTP module over its own KV pool (the engine's drafts).
 
   The same modules as the training steps (Embed, MTPStep on their parameter subtrees of
@@ -95,10 +97,12 @@ def mtp_step(cfg, params, next_tokens_bt, h_prev_btd, positions_bt, mtp_cache, c
   positions[i] with the hidden state h_prev at positions[i] (embedding first, paper §2.1).
 
   Returns (h [b,t,d] before the head norm, the head's input (head-normed h) [b,t,d],
-  updated MTP pool): the engine applies the lm_head (`Head`) to the second.
+  updated MTP pool): the engine applies the lm_head (`Head`) to the second. `collections`:
+  more variable collections of the MTP module (the engine's streamed weights,
+  nn/params.py `stream_collections`), or None.
   """
   inputs = layer_io.LayerInputs.create(cfg, positions_bt, cache_index=cache_index)
   emb = embed_lib.Embed(cfg).apply({"params": params["embed"]}, next_tokens_bt)
   h, normed, _, mtp_cache = MTPStep(cfg).apply(
-      {"params": params["mtp"]}, emb, h_prev_btd.astype(emb.dtype), inputs, mtp_cache)
+      {"params": params["mtp"], **(collections or {})}, emb, h_prev_btd.astype(emb.dtype), inputs, mtp_cache)
   return h, normed, mtp_cache

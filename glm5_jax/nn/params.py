@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from glm5_jax import quant
+from glm5_jax import stream_matmul
 
 
 def param(module: nn.Module, name: str, init, shape, axes, dtype, *, packed: bool = False):
@@ -46,3 +48,49 @@ def host_initializer(path, cfg):
   if name in ("bias", "e_score_correction_bias"):
     return lambda gen, shape: np.zeros(shape, np.float32)
   return lambda gen, shape: gen.normal(0.0, cfg.initializer_range, shape).astype(np.float32)
+
+
+# The inference engine's streamed matmuls (glm5_jax/stream_matmul.py): a forward given these
+# two collections multiplies each weight they name straight from its layer stack. STREAM_W
+# holds the whole stacks ([R, ...], broadcast into the layer scan; unstacked for the MTP
+# layer), STREAM_LAYER the matching layer indices (int32 [R], scanned with the parameters,
+# so each repeat sees its own; int32 [] for the MTP layer). Absent: `dense` is the plain
+# tensordot (the trainer, every other backend).
+STREAM_W, STREAM_LAYER = "stream_w", "stream_layer"
+STREAM_MAX_ROWS = 64     # rows beyond which the matmul stays XLA's (prefill chunks)
+# The weights a module multiplies through `dense`, and how many leading axes each contracts.
+DENSE_WEIGHTS = {"wq_a": 1, "wq_b": 1, "wkv_a": 1, "wo": 2, "wk": 1, "weights_proj": 1,
+                 "w_gate": 1, "w_up": 1, "w_down": 1, "eh_proj": 1}
+
+
+def dense(module: nn.Module, name: str, x, w):
+  """x contracted with w's first `DENSE_WEIGHTS[name]` axes (`jnp.tensordot`): [..., *w.shape
+  [:n]] -> [..., *w.shape[n:]]. Where the forward streams `module.<name>` (STREAM_W) and x
+  has at most STREAM_MAX_ROWS rows, the same numbers from the streamed CPU kernel."""
+  n = DENSE_WEIGHTS[name]
+  k = int(np.prod(w.shape[:n]))
+  rows = x.size // k
+  if module.has_variable(STREAM_W, name) and rows <= STREAM_MAX_ROWS:
+    stack = module.get_variable(STREAM_W, name)
+    layer = module.get_variable(STREAM_LAYER, name)
+    stack = stack if stack.ndim == w.ndim + 1 else stack[None]
+    stack = stack.reshape(stack.shape[0], k, -1)
+    kc = stream_matmul.kc(k, stack.shape[2])
+    if kc is None:
+      raise ValueError(f"{name}: streamed, but stream_matmul.kc({k}, {stack.shape[2]}) found "
+                       "no block size (inference/placement.py stream_plan checks it)")
+    y = stream_matmul.matmul(x.reshape(rows, k).astype(stack.dtype), stack, layer, kc)
+    return y.reshape(x.shape[:x.ndim - n] + w.shape[n:]).astype(x.dtype)
+  return jnp.tensordot(x, w, n)
+
+
+def stream_collections(params, layers):
+  """The two collections of a streamed forward (`dense`): `layers` is a subtree of `params`'
+  paths whose leaves are the streamed weights' layer indices (int32 [R], or [] for an
+  unstacked weight); STREAM_W gets `params`' weights at those paths (the same arrays)."""
+  def weight(path, _):
+    node = params
+    for p in path:
+      node = node[p.key]
+    return node
+  return {STREAM_W: jax.tree_util.tree_map_with_path(weight, layers), STREAM_LAYER: layers}

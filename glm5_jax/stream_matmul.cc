@@ -1,0 +1,329 @@
+// y[M, N] = x[M, K] @ w[layer] (w: [R, K, N] row-major, float32) in the order XLA:CPU's
+// matmul of 8+ rows (Eigen's GEMM) sums: within each block of `kc` values of k, one fused
+// multiply-add per k from zero; the blocks' sums added to y (from zero) one after another.
+// Each weight is read once, straight from its stack at `layer` (no slice copied out of the
+// stack, no packing pass); equal rows of x are computed once (a lone request's decode step
+// mirrors its row over 8 lanes). Columns are shared between the calling thread and XLA's
+// intra-op thread pool. See glm5_jax/inference/stream_matmul.py.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+#if defined(__AVX512F__)
+using vec = __m512;
+constexpr int kLanes = 16;
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vec a) { _mm512_storeu_ps(p, a); }
+inline vec vset1(float a) { return _mm512_set1_ps(a); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+#elif defined(__AVX2__) && defined(__FMA__)
+using vec = __m256;
+constexpr int kLanes = 8;
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vec a) { _mm256_storeu_ps(p, a); }
+inline vec vset1(float a) { return _mm256_set1_ps(a); }
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+#else
+using vec = float;
+constexpr int kLanes = 1;
+inline vec vzero() { return 0.0f; }
+inline vec vload(const float* p) { return *p; }
+inline void vstore(float* p, vec a) { *p = a; }
+inline vec vset1(float a) { return a; }
+inline vec vfma(vec a, vec b, vec c) { return std::fma(a, b, c); }
+inline vec vadd(vec a, vec b) { return a + b; }
+#endif
+
+constexpr int kAcc = 16;    // accumulator registers per tile (rows x vectors)
+constexpr int kAhead = 8;   // rows of w prefetched ahead
+static const int64_t kRowStreamMax = [] {  // most distinct rows streamed whole (else tiles)
+  const char* v = std::getenv("GLM5_STREAM_ROWSTREAM_MAX");
+  return v ? std::atoll(v) : int64_t{4};
+}();
+
+struct Problem {
+  const float* x;   // [M, K]
+  const float* w;   // [K, N], the layer's matrix
+  float* y;         // [M, N]
+  int64_t K, N, kc;
+  std::vector<int64_t> rows;  // the distinct rows of x, computed
+  float* partial = nullptr;   // RowStream: each k-block's sums [blocks, rows, N]
+};
+
+// R rows x C vectors of columns [n0, n0 + C * kLanes), over k in [k0, k1): y += the block's sums.
+template <int R, int C>
+inline void Tile(const Problem& p, const int64_t* rows, int64_t n0, int64_t k0, int64_t k1) {
+  vec acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = vzero();
+  const float* xr[R];
+  for (int r = 0; r < R; ++r) xr[r] = p.x + rows[r] * p.K;
+  const float* wk = p.w + k0 * p.N + n0;
+  for (int64_t k = k0; k < k1; ++k, wk += p.N) {
+    for (int c = 0; c < C * kLanes; c += 16) __builtin_prefetch(wk + kAhead * p.N + c);
+    vec wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = vload(wk + c * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const vec xb = vset1(xr[r][k]);
+      for (int c = 0; c < C; ++c) acc[r][c] = vfma(xb, wv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* yr = p.y + rows[r] * p.N + n0;
+    for (int c = 0; c < C; ++c) vstore(yr + c * kLanes, vadd(vload(yr + c * kLanes), acc[r][c]));
+  }
+}
+
+// The same for the last columns [n0, n1) of fewer than one tile: scalar fused multiply-adds.
+inline void TailTile(const Problem& p, int64_t row, int64_t n0, int64_t n1, int64_t k0,
+                     int64_t k1) {
+  const float* xr = p.x + row * p.K;
+  float* yr = p.y + row * p.N;
+  for (int64_t n = n0; n < n1; ++n) {
+    float acc = 0.0f;
+    for (int64_t k = k0; k < k1; ++k) acc = std::fma(xr[k], p.w[k * p.N + n], acc);
+    yr[n] += acc;
+  }
+}
+
+template <int C>
+void RowGroup(const Problem& p, const int64_t* rows, int64_t n, int64_t n0, int64_t k0,
+              int64_t k1) {
+  switch (n) {
+#define GLM5_CASE(r) \
+  case r:            \
+    if constexpr (r * C <= kAcc) return Tile<r, C>(p, rows, n0, k0, k1);
+    GLM5_CASE(1) GLM5_CASE(2) GLM5_CASE(3) GLM5_CASE(4) GLM5_CASE(5) GLM5_CASE(6)
+    GLM5_CASE(7) GLM5_CASE(8)
+#undef GLM5_CASE
+    default:
+      break;
+  }
+}
+
+// Columns [c0, c1) (c0 a multiple of the tile width), every distinct row, every k-block.
+template <int C>
+void Columns(const Problem& p, int64_t c0, int64_t c1) {
+  constexpr int64_t kWidth = C * kLanes;
+  constexpr int64_t kRows = kAcc / C;
+  const int64_t u = static_cast<int64_t>(p.rows.size());
+  for (int64_t n0 = c0; n0 < c1; n0 += kWidth) {
+    const int64_t n1 = std::min(c1, n0 + kWidth);
+    for (int64_t k0 = 0; k0 < p.K; k0 += p.kc) {
+      const int64_t k1 = std::min(p.K, k0 + p.kc);
+      for (int64_t g = 0; g < u; g += kRows) {
+        const int64_t n_rows = std::min(kRows, u - g);
+        if (n1 - n0 == kWidth) {
+          RowGroup<C>(p, p.rows.data() + g, n_rows, n0, k0, k1);
+          continue;
+        }
+        int64_t n = n0;  // the last columns: one vector at a time, then scalar
+        for (; n + kLanes <= n1; n += kLanes)
+          for (int64_t h = g; h < g + n_rows; h += 8)
+            RowGroup<1>(p, p.rows.data() + h, std::min<int64_t>(8, g + n_rows - h), n, k0, k1);
+        for (int64_t r = g; r < g + n_rows; ++r) TailTile(p, p.rows[r], n, n1, k0, k1);
+      }
+    }
+  }
+}
+
+// Rows streamed whole: each row of w (up to `chunk` columns of it) is read once and used for
+// every distinct row of x, four rows of w per pass over the sums, which live in a buffer in
+// L1 / L2; w streams in the order it is stored. Rows of x go in groups of up to 4.
+template <int U>
+inline void Quad(float* const* acc, const vec (*xb)[4], const float* wr, int64_t n_stride,
+                 int64_t vec_cols) {
+  for (int64_t n = 0; n < vec_cols; n += kLanes) {
+    const vec w0 = vload(wr + n), w1 = vload(wr + n_stride + n),
+              w2 = vload(wr + 2 * n_stride + n), w3 = vload(wr + 3 * n_stride + n);
+    for (int u = 0; u < U; ++u) {
+      vec a = vload(acc[u] + n);
+      a = vfma(xb[u][0], w0, a);
+      a = vfma(xb[u][1], w1, a);
+      a = vfma(xb[u][2], w2, a);
+      a = vfma(xb[u][3], w3, a);
+      vstore(acc[u] + n, a);
+    }
+  }
+}
+
+// Columns [c0, c1) of k-block `block`'s sums, from zero, into p.partial[block].
+void RowStream(const Problem& p, int64_t c0, int64_t c1, int64_t block) {
+  const int64_t u_all = static_cast<int64_t>(p.rows.size());
+  const int64_t w_cols = c1 - c0, vec_cols = w_cols / kLanes * kLanes;
+  std::vector<float> buffer(u_all * w_cols + 16, 0.0f);
+  float* base = buffer.data() + (16 - reinterpret_cast<uintptr_t>(buffer.data()) / 4 % 16) % 16;
+  std::vector<float*> acc(u_all);
+  std::vector<const float*> xr(u_all);
+  for (int64_t u = 0; u < u_all; ++u) {
+    acc[u] = base + u * w_cols;
+    xr[u] = p.x + p.rows[u] * p.K;
+  }
+  const int64_t k0 = block * p.kc, k1 = std::min(p.K, k0 + p.kc);
+  int64_t k = k0;
+  for (; k + 4 <= k1; k += 4) {
+    const float* wr = p.w + k * p.N + c0;
+    for (int j = 0; j < 4; ++j)
+      for (int64_t c = 0; c < w_cols; c += 16) __builtin_prefetch(wr + (kAhead + j) * p.N + c);
+    for (int64_t g = 0; g < u_all; g += 4) {
+      const int n_rows = static_cast<int>(std::min<int64_t>(4, u_all - g));
+      vec xb[4][4];
+      for (int u = 0; u < n_rows; ++u)
+        for (int j = 0; j < 4; ++j) xb[u][j] = vset1(xr[g + u][k + j]);
+      float* const* a = acc.data() + g;
+      switch (n_rows) {
+        case 1: Quad<1>(a, xb, wr, p.N, vec_cols); break;
+        case 2: Quad<2>(a, xb, wr, p.N, vec_cols); break;
+        case 3: Quad<3>(a, xb, wr, p.N, vec_cols); break;
+        default: Quad<4>(a, xb, wr, p.N, vec_cols); break;
+      }
+    }
+    for (int64_t n = vec_cols; n < w_cols; ++n)
+      for (int64_t u = 0; u < u_all; ++u)
+        for (int j = 0; j < 4; ++j)
+          acc[u][n] = std::fma(xr[u][k + j], wr[j * p.N + n], acc[u][n]);
+  }
+  for (; k < k1; ++k) {
+    const float* wr = p.w + k * p.N + c0;
+    for (int64_t u = 0; u < u_all; ++u)
+      for (int64_t n = 0; n < w_cols; ++n) acc[u][n] = std::fma(xr[u][k], wr[n], acc[u][n]);
+  }
+  for (int64_t u = 0; u < u_all; ++u)
+    std::memcpy(p.partial + (block * u_all + u) * p.N + c0, acc[u], sizeof(float) * w_cols);
+}
+
+using ColumnsFn = void (*)(const Problem&, int64_t, int64_t);
+
+// Tile width by distinct rows: wide tiles for one row (long contiguous reads of w), narrow
+// ones for many (the accumulators of every row of a group stay in registers).
+int TileVectors(int64_t distinct_rows) {
+  if (distinct_rows <= 1) return 16;
+  if (distinct_rows <= 2) return 8;
+  if (distinct_rows <= 4) return 4;
+  return 2;
+}
+
+struct Shared {
+  Problem p;
+  ColumnsFn fn = nullptr;            // tiles: one item per column chunk, every k-block
+  int64_t chunk = 0, n_chunks = 0;   // RowStream (fn null): an item per chunk and k-block
+  int64_t n_items = 0;
+  std::vector<float> partial;
+  std::atomic<int64_t> next{0}, done{0};
+};
+
+void Work(Shared& s) {
+  for (int64_t i; (i = s.next.fetch_add(1)) < s.n_items;) {
+    const int64_t c0 = i % s.n_chunks * s.chunk, c1 = std::min(s.p.N, c0 + s.chunk);
+    if (s.fn) s.fn(s.p, c0, c1);
+    else RowStream(s.p, c0, c1, i / s.n_chunks);
+    s.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+ffi::Error StreamMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                            ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> layer,
+                            ffi::ResultBuffer<ffi::F32> y, int64_t kc) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || xd[1] != wd[1])
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "stream_matmul: x must be [M, K] and w [R, K, N]");
+  const int64_t M = xd[0], K = xd[1], N = wd[2];
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= wd[0])
+    return ffi::Error(ffi::ErrorCode::kOutOfRange, "stream_matmul: layer out of range");
+  if (kc <= 0) return ffi::Error(ffi::ErrorCode::kInvalidArgument, "stream_matmul: kc <= 0");
+
+  auto s = std::make_shared<Shared>();
+  Problem& p = s->p;
+  p.x = x.typed_data();
+  p.w = w.typed_data() + l * K * N;
+  p.y = y->typed_data();
+  p.K = K, p.N = N, p.kc = kc;
+  std::vector<int64_t> copy_of(M, -1);  // a row equal to an earlier one: that row's index
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t u : p.rows)
+      if (std::memcmp(p.x + m * K, p.x + u * K, sizeof(float) * K) == 0) {
+        copy_of[m] = u;
+        break;
+      }
+    if (copy_of[m] < 0) p.rows.push_back(m);
+  }
+  for (int64_t u : p.rows) std::memset(p.y + u * N, 0, sizeof(float) * N);
+
+  const int64_t u = static_cast<int64_t>(p.rows.size());
+  static const int64_t min_split = [] {   // smaller weights: one thread
+    const char* v = std::getenv("GLM5_STREAM_MIN_SPLIT");
+    return v ? std::atoll(v) : int64_t{256} << 10;
+  }();
+  const int64_t threads =
+      K * N * 4 < min_split ? 1 : std::max<int64_t>(1, pool.num_threads());
+  const int64_t blocks = (K + kc - 1) / kc;
+  if (u <= kRowStreamMax) {
+    // Whole rows of each k-block, as many column chunks as it takes to give every thread
+    // an item; the blocks' sums are added in order below.
+    const int64_t per_block = blocks >= threads ? 1 : (threads + blocks - 1) / blocks;
+    const int64_t width = (N + per_block - 1) / per_block;
+    s->chunk = std::min<int64_t>(2048, (width + kLanes - 1) / kLanes * kLanes);
+    s->n_chunks = (N + s->chunk - 1) / s->chunk;
+    s->n_items = s->n_chunks * blocks;
+    s->partial.resize(blocks * u * N);
+    p.partial = s->partial.data();
+  } else {
+    const int vecs = TileVectors(u);
+    const int64_t width = vecs * kLanes;
+    s->fn = vecs == 16 ? &Columns<16> : vecs == 8 ? &Columns<8> : vecs == 4 ? &Columns<4>
+                                                                             : &Columns<2>;
+    const int64_t tiles = (N + width - 1) / width;
+    s->chunk = std::max<int64_t>(1, tiles / (4 * threads)) * width;
+    s->n_chunks = s->n_items = (N + s->chunk - 1) / s->chunk;
+  }
+  const int64_t helpers = std::min(threads, s->n_items) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([s] { Work(*s); });
+  Work(*s);
+  while (s->done.load(std::memory_order_acquire) < s->n_items) std::this_thread::yield();
+  if (!s->fn)  // y = ((0 + block 0) + block 1) + ...: Eigen's order
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int64_t r = 0; r < u; ++r) {
+        float* yr = p.y + p.rows[r] * N;
+        const float* pr = p.partial + (b * u + r) * N;
+        for (int64_t n = 0; n < N; ++n) yr[n] += pr[n];
+      }
+
+  for (int64_t m = 0; m < M; ++m)
+    if (copy_of[m] >= 0)
+      std::memcpy(p.y + m * N, p.y + copy_of[m] * N, sizeof(float) * N);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5StreamMatmul, StreamMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("kc"));

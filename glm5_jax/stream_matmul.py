@@ -1,0 +1,143 @@
+"""A CPU matmul that reads each weight once, in the order XLA:CPU's matmul sums.
+
+On XLA:CPU a decode step's matmuls have 8-16 rows (a lone request mirrored over 8 lanes,
+`numerics.MIN_INVARIANT_ROWS`; or 16 requests), and XLA sends them to Eigen's GEMM: inside
+the engine's layer scan each weight is first copied out of its layer stack, then packed into
+panels, then multiplied, three passes over bytes a decode step should read once. On this
+project's 2-core VM that runs at 10-14 GB/s of a 24-27 GB/s stream (docs/benchmarks.md).
+
+`stream_matmul.cc` is an XLA FFI custom call (C++, AVX-512 / AVX2 / scalar FMAs) that
+multiplies x [M, K] by layer `layer` of a stack w [R, K, N] straight from the stack, with
+each output a fused multiply-add chain in Eigen's order: within each block of `kc` values of
+k (Eigen's blocking), k ascending from zero, the blocks' sums added to the result one after
+another (`inference/matvec.py` measured that order). Equal rows of x are computed once, so
+a lone request's mirrored lanes cost one row. XLA's intra-op threads share its columns.
+
+Eigen picks `kc` from the CPU's caches and the shape, so nothing here assumes it: `kc(k, n)`
+tries the candidates of Eigen's rule (`candidates`) on seeded data against XLA's own matmul
+at 8 and at 256 rows (the engine's and the trainer's row counts) and returns the one that
+matches bitwise, or None; the engine streams only the weights whose `kc` is found
+(`inference/placement.py` `stream_plan`). The library is compiled on first use with the
+system's C++ compiler (`CXX`, default g++) into `GLM5_JAX_CACHE` (default
+~/.cache/glm5_jax); without a compiler, `available()` is False (logged once) and every
+matmul stays XLA's: the same numbers, slower.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import math
+import os
+import pathlib
+import shutil
+import subprocess
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SOURCE = pathlib.Path(__file__).with_name("stream_matmul.cc")
+TARGET = "glm5_stream_matmul"
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-ffp-contract=off", "-shared", "-fPIC")
+KMAX_CANDIDATES = (320, 384, 256, 512, 192, 128)   # Eigen's largest kc, most likely first
+PROBE_ROWS = (8, 256)     # XLA matmuls the kernel must equal: the engine's, the trainer's
+
+
+def candidates(k: int) -> list[tuple[int, ...]]:
+  """Block bounds (0, kc, 2 kc, .., k) Eigen's blocking rule can give for k: n = ceil(k / kmax)
+  blocks of kc = ceil(k / n) rounded up to a multiple of 8, for each kmax of
+  KMAX_CANDIDATES; the single block (0, k) first."""
+  out = [(0, k)]
+  for kmax in KMAX_CANDIDATES:
+    n = -(-k // kmax)
+    kc_ = 8 * math.ceil(math.ceil(k / n) / 8)
+    bounds = tuple(range(0, k, kc_)) + (k,)
+    if bounds not in out:
+      out.append(bounds)
+  return out
+
+
+def _cache_dir() -> pathlib.Path:
+  return pathlib.Path(os.environ.get("GLM5_JAX_CACHE",
+                                     pathlib.Path.home() / ".cache" / "glm5_jax"))
+
+
+def _cpu_flags() -> str:
+  try:
+    with open("/proc/cpuinfo") as f:
+      return next((line for line in f if line.startswith(("flags", "Features"))), "")
+  except OSError:
+    return ""
+
+
+def build() -> pathlib.Path:
+  """The compiled library (built once per source, compiler, jax and CPU; an atomic rename
+  makes concurrent builds safe). Raises OSError / CalledProcessError on failure."""
+  cxx = shutil.which(os.environ.get("CXX", "g++"))
+  if cxx is None:
+    raise OSError(f"no C++ compiler ({os.environ.get('CXX', 'g++')}) on PATH")
+  include = jax.ffi.include_dir()
+  version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+  key = hashlib.sha256("\0".join(
+      [SOURCE.read_text(), *FLAGS, include, version, jax.__version__, _cpu_flags()]).encode())
+  out = _cache_dir() / f"stream_matmul-{key.hexdigest()[:16]}.so"
+  if not out.exists():
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    subprocess.run([cxx, *FLAGS, "-isystem", include, str(SOURCE), "-o", str(tmp)],
+                   check=True, capture_output=True, text=True)
+    os.replace(tmp, out)
+  return out
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> bool:
+  """Whether the kernel is registered with XLA:CPU (built and loaded on first call)."""
+  if jax.default_backend() != "cpu":
+    return False
+  try:
+    lib = ctypes.cdll.LoadLibrary(str(build()))
+  except subprocess.CalledProcessError as e:
+    logging.warning("stream_matmul: the C++ build failed, XLA's matmul is used:\n%s",
+                    e.stderr)
+    return False
+  except OSError as e:
+    logging.warning("stream_matmul: %s; XLA's matmul is used", e)
+    return False
+  jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.Glm5StreamMatmul),
+                              platform="cpu")
+  return True
+
+
+def matmul(x_mk, w_rkn, layer, kc: int):
+  """float32 x [M, K] @ w[layer] [K, N] (w: [R, K, N], layer: int32 []) in Eigen's order
+  with blocks of `kc` (module docstring). Needs `available()`."""
+  m, k = x_mk.shape
+  if w_rkn.ndim != 3 or w_rkn.shape[1] != k:
+    raise ValueError(f"stream_matmul: x {x_mk.shape} needs w [R, {k}, N], got {w_rkn.shape}")
+  if x_mk.dtype != jnp.float32 or w_rkn.dtype != jnp.float32:
+    raise ValueError(f"stream_matmul: float32 only, got x {x_mk.dtype}, w {w_rkn.dtype}")
+  call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((m, w_rkn.shape[2]), jnp.float32))
+  return call(x_mk, w_rkn, jnp.asarray(layer, jnp.int32), kc=np.int64(kc))
+
+
+@functools.lru_cache(maxsize=None)
+def kc(k: int, n: int) -> int | None:
+  """The block size at which `matmul` over a float32 [k, n] weight equals XLA's matmul at
+  every row count of PROBE_ROWS, bitwise, on seeded random data; None if no candidate does
+  or the kernel is not available."""
+  if not available():
+    return None
+  rng = np.random.default_rng(k * 1_000_003 + n)
+  x = jnp.asarray(rng.standard_normal((max(PROBE_ROWS), k), np.float32))
+  w = jnp.asarray(rng.standard_normal((1, k, n), np.float32) / math.sqrt(k))
+  xla = jax.jit(lambda x, w: x @ w)
+  want = {m: np.asarray(xla(x[:m], w[0])) for m in PROBE_ROWS}
+  for bounds in candidates(k):
+    got = np.asarray(jax.jit(functools.partial(matmul, kc=bounds[1]))(x, w, 0))
+    if all(np.array_equal(got[:m], want[m]) for m in PROBE_ROWS):
+      return bounds[1]
+  return None
