@@ -9,6 +9,8 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["glm5_jax", "glm5_jax.*", "pallas_kernels",
                                     "pallas_kernels.*"]),
+    # glm5_jax/stream_matmul.cc: compiled on first use (the system's C++ compiler, g++).
+    package_data={"glm5_jax": ["*.cc"]},
     install_requires=[
         "jax>=0.10.2,<0.11",
         "flax>=0.12.8,<0.13",

@@ -1,0 +1,115 @@
+"""glm5_jax/stream_matmul.py: the streamed CPU matmul equals XLA:CPU's matmul bitwise (its
+rows at 8+ rows), reading a stacked weight at a layer index; the engine's streamed decode
+steps keep the engine's tokens and log-probs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from glm5_jax import config as config_lib
+from glm5_jax import nn as gnn
+from glm5_jax import numerics
+from glm5_jax import stream_matmul
+from glm5_jax.inference import Engine
+from glm5_jax.inference import SamplingParams
+from glm5_jax.inference import placement
+
+pytestmark = pytest.mark.skipif(not stream_matmul.available(),
+                                reason="stream_matmul: no C++ compiler or not a CPU backend")
+
+
+def _xla_rows(x, w):
+  """XLA's matmul of x's rows, padded to the batch-invariant row count (the engine's and
+  the trainer's bits)."""
+  m = x.shape[0]
+  pad = max(numerics.MIN_INVARIANT_ROWS - m, 0)
+  return np.asarray(jax.jit(lambda x, w: x @ w)(jnp.pad(x, ((0, pad), (0, 0))), w))[:m]
+
+
+@pytest.mark.parametrize("k,n", [(512, 256), (256, 512), (300, 72), (64, 40), (1536, 512)])
+@pytest.mark.parametrize("rows", ["one_mirrored", "three", "sixteen"])
+def test_matmul_equals_xlas_matmul_bitwise(k, n, rows, rng):
+  """Every path: a lone lane mirrored over 8 rows (one row computed), few distinct rows
+  (rows streamed whole, k-blocks in parallel), 16 (register tiles); tails of k (300, not a
+  multiple of 4) and of n (40, 72: not a multiple of the vector width); several k-blocks
+  (512; 1536, whose last block is shorter); layers of a stack."""
+  kc = stream_matmul.kc(k, n)
+  if kc is None:
+    pytest.skip(f"no block size of Eigen's rule matched XLA's matmul at [{k}, {n}] here")
+  w = jnp.asarray(rng.standard_normal((3, k, n), np.float32) / np.sqrt(k))
+  if rows == "one_mirrored":
+    x = np.repeat(rng.standard_normal((1, k), np.float32), 8, axis=0)
+  elif rows == "three":
+    x = rng.standard_normal((3, k), np.float32)
+    x = np.concatenate([x, np.zeros((5, k), np.float32)])      # an expert block's padding
+  else:
+    x = rng.standard_normal((16, k), np.float32)
+  x = jnp.asarray(x)
+  run = jax.jit(stream_matmul.matmul, static_argnames="kc")
+  for layer in (0, 2):
+    np.testing.assert_array_equal(np.asarray(run(x, w, jnp.int32(layer), kc=kc)),
+                                  _xla_rows(x, w[layer]))
+
+
+def test_rows_below_the_invariant_count_get_the_big_matmuls_bits(rng):
+  """3 rows alone: XLA's own matmul of 3 rows may sum in another order; the kernel gives each
+  row its 8-row (the trainer's) bits whatever the row count."""
+  k, n = 512, 256
+  kc = stream_matmul.kc(k, n)
+  w = jnp.asarray(rng.standard_normal((1, k, n), np.float32))
+  x = jnp.asarray(rng.standard_normal((3, k), np.float32))
+  got = np.asarray(jax.jit(stream_matmul.matmul, static_argnames="kc")(x, w, 0, kc=kc))
+  np.testing.assert_array_equal(got, _xla_rows(x, w[0]))
+
+
+def test_candidates_follow_eigens_blocking_rule():
+  assert stream_matmul.candidates(64)[0] == (0, 64)
+  assert (0, 256, 512) in stream_matmul.candidates(512)
+  assert (0, 312, 624, 936, 1248, 1536) in stream_matmul.candidates(1536)
+
+
+def test_bad_operands_name_the_problem():
+  x = jnp.zeros((8, 64), jnp.float32)
+  with pytest.raises(ValueError, match=r"needs w \[R, 64, N\]"):
+    stream_matmul.matmul(x, jnp.zeros((64, 32), jnp.float32), 0, kc=64)
+  with pytest.raises(ValueError, match="float32 only"):
+    stream_matmul.matmul(x.astype(jnp.bfloat16), jnp.zeros((1, 64, 32), jnp.bfloat16), 0,
+                         kc=64)
+
+
+def test_the_tiny_preset_is_not_streamed(tiny_cfg, tiny_params):
+  """Its weights (under placement.STREAM_MIN_BYTES) stay with XLA's matmul: the main job's
+  programs are unchanged."""
+  assert Engine(tiny_cfg, tiny_params, max_batch=1, max_len=16).stream_plan is None
+
+
+@pytest.fixture(scope="module")
+def streamed_engines():
+  """tiny with every matrix streamed (the size threshold at 0): engines with and without."""
+  cfg = config_lib.get_preset("tiny")
+  params = gnn.init_params(cfg, 0)
+  kw = dict(max_batch=2, max_len=48, block_size=8, steps_per_sync=4)
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(placement, "STREAM_MIN_BYTES", 0)
+    engines = {(spec, s): Engine(cfg, params, speculative=spec, num_draft=1, stream_matmul=s,
+                                 **kw) for spec in (False, True) for s in (False, True)}
+  return engines
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_streamed_engines_keep_the_engines_bits(streamed_engines, speculative, rng):
+  """Prefill, plain decode (a lone request: mirrored lanes) and two requests; speculative:
+  the MTP drafts, the verify, the MTP catch-up. Same sampled tokens and log-probs as XLA's
+  matmuls (which equal the trainer's: tests/inference/test_engine.py)."""
+  plan = streamed_engines[speculative, True].stream_plan
+  assert streamed_engines[speculative, False].stream_plan is None
+  assert plan["moe_layers"]["layer_0"]["moe"]["experts"]["w_gate"].shape == (2,)
+  assert plan["mtp"]["layer"]["attn"]["wo"].shape == ()
+  sp = SamplingParams(max_new_tokens=7, seed=4)
+  for n in (1, 2):
+    prompts = [rng.integers(0, 256, 9).tolist() for _ in range(n)]
+    outs = {s: streamed_engines[speculative, s].generate(prompts, sp) for s in (False, True)}
+    for a, b in zip(outs[False], outs[True]):
+      assert a.token_ids == b.token_ids
+      np.testing.assert_array_equal(a.logprobs, b.logprobs)
