@@ -3,14 +3,15 @@
 // multiply-add per k from zero; the blocks' sums added to y (from zero) one after another.
 // Each weight is read once, straight from its stack at `layer` (no slice copied out of the
 // stack, no packing pass); equal rows of x are computed once (a lone request's decode step
-// mirrors its row over 8 lanes). Columns are shared between the calling thread and XLA's
-// intra-op thread pool. See glm5_jax/inference/stream_matmul.py.
+// mirrors its row over 8 lanes). Up to 4 distinct rows: each k-block's rows of w are read
+// whole, in storage order, one work item per block (and column chunk), the blocks' sums
+// added in order at the end; more rows: register tiles over column chunks. Work items go
+// to the calling thread and XLA's intra-op thread pool. See glm5_jax/stream_matmul.py.
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <thread>
@@ -57,10 +58,8 @@ inline vec vadd(vec a, vec b) { return a + b; }
 
 constexpr int kAcc = 16;    // accumulator registers per tile (rows x vectors)
 constexpr int kAhead = 8;   // rows of w prefetched ahead
-static const int64_t kRowStreamMax = [] {  // most distinct rows streamed whole (else tiles)
-  const char* v = std::getenv("GLM5_STREAM_ROWSTREAM_MAX");
-  return v ? std::atoll(v) : int64_t{4};
-}();
+constexpr int64_t kRowStreamMax = 4;       // most distinct rows streamed whole (else tiles)
+constexpr int64_t kMinSplit = 256 << 10;   // smaller weights (bytes): one thread
 
 struct Problem {
   const float* x;   // [M, K]
@@ -273,12 +272,8 @@ ffi::Error StreamMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   for (int64_t u : p.rows) std::memset(p.y + u * N, 0, sizeof(float) * N);
 
   const int64_t u = static_cast<int64_t>(p.rows.size());
-  static const int64_t min_split = [] {   // smaller weights: one thread
-    const char* v = std::getenv("GLM5_STREAM_MIN_SPLIT");
-    return v ? std::atoll(v) : int64_t{256} << 10;
-  }();
   const int64_t threads =
-      K * N * 4 < min_split ? 1 : std::max<int64_t>(1, pool.num_threads());
+      K * N * 4 < kMinSplit ? 1 : std::max<int64_t>(1, pool.num_threads());
   const int64_t blocks = (K + kc - 1) / kc;
   if (u <= kRowStreamMax) {
     // Whole rows of each k-block, as many column chunks as it takes to give every thread
