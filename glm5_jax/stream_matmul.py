@@ -132,12 +132,13 @@ def kc(k: int, n: int) -> int | None:
   if not available():
     return None
   rng = np.random.default_rng(k * 1_000_003 + n)
-  x = jnp.asarray(rng.standard_normal((max(PROBE_ROWS), k), np.float32))
-  w = jnp.asarray(rng.standard_normal((1, k, n), np.float32) / math.sqrt(k))
-  xla = jax.jit(lambda x, w: x @ w)
-  want = {m: np.asarray(xla(x[:m], w[0])) for m in PROBE_ROWS}
-  for bounds in candidates(k):
-    got = np.asarray(jax.jit(functools.partial(matmul, kc=bounds[1]))(x, w, 0))
-    if all(np.array_equal(got[:m], want[m]) for m in PROBE_ROWS):
-      return bounds[1]
+  x = rng.standard_normal((max(PROBE_ROWS), k), np.float32)
+  w = rng.standard_normal((1, k, n), np.float32) / np.float32(math.sqrt(k))
+  with jax.ensure_compile_time_eval():     # also when first asked inside a trace
+    xla = jax.jit(lambda x, w: x @ w)
+    want = {m: np.asarray(xla(x[:m], w[0])) for m in PROBE_ROWS}
+    for bounds in candidates(k):
+      got = np.asarray(jax.jit(functools.partial(matmul, kc=bounds[1]))(x, w, 0))
+      if all(np.array_equal(got[:m], want[m]) for m in PROBE_ROWS):
+        return bounds[1]
   return None

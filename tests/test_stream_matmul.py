@@ -69,6 +69,11 @@ def test_candidates_follow_eigens_blocking_rule():
   assert (0, 312, 624, 936, 1248, 1536) in stream_matmul.candidates(1536)
 
 
+def test_kc_may_be_first_asked_inside_a_trace():
+  """A module asks for a shape's block size while jit traces it (the probe runs eagerly)."""
+  assert jax.jit(lambda x: x * stream_matmul.kc(40, 24))(1.0) == 40
+
+
 def test_bad_operands_name_the_problem():
   x = jnp.zeros((8, 64), jnp.float32)
   with pytest.raises(ValueError, match=r"needs w \[R, 64, N\]"):
