@@ -2,6 +2,8 @@
 rows at 8+ rows), reading a stacked weight at a layer index; the engine's streamed decode
 steps keep the engine's tokens and log-probs."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -91,30 +93,36 @@ def test_the_tiny_preset_is_not_streamed(tiny_cfg, tiny_params):
 
 @pytest.fixture(scope="module")
 def streamed_engines():
-  """tiny with every matrix streamed (the size threshold at 0): engines with and without."""
+  """(speculative, streamed) -> a tiny engine, every matrix streamed when streamed (the size
+  threshold at 0); made on first use."""
   cfg = config_lib.get_preset("tiny")
   params = gnn.init_params(cfg, 0)
   kw = dict(max_batch=2, max_len=48, block_size=8, steps_per_sync=4)
-  with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(placement, "STREAM_MIN_BYTES", 0)
-    engines = {(spec, s): Engine(cfg, params, speculative=spec, num_draft=1, stream_matmul=s,
-                                 **kw) for spec in (False, True) for s in (False, True)}
-  return engines
+
+  @functools.cache
+  def engine(speculative, streamed):
+    with pytest.MonkeyPatch.context() as mp:
+      mp.setattr(placement, "STREAM_MIN_BYTES", 0)
+      return Engine(cfg, params, speculative=speculative, num_draft=1,
+                    stream_matmul=streamed, **kw)
+  return engine
 
 
-@pytest.mark.parametrize("speculative", [False, True])
+@pytest.mark.parametrize("speculative", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_streamed_engines_keep_the_engines_bits(streamed_engines, speculative, rng):
-  """Prefill, plain decode (a lone request: mirrored lanes) and two requests; speculative:
-  the MTP drafts, the verify, the MTP catch-up. Same sampled tokens and log-probs as XLA's
-  matmuls (which equal the trainer's: tests/inference/test_engine.py)."""
-  plan = streamed_engines[speculative, True].stream_plan
-  assert streamed_engines[speculative, False].stream_plan is None
+  """A lone request (mirrored lanes) and two requests: prefill and plain decode, or
+  (speculative) prefill, the MTP drafts (one live lane), the verify (2 tokens per lane) and
+  the MTP catch-up. Same sampled tokens and log-probs as XLA's matmuls (which equal the
+  trainer's: tests/inference/test_engine.py). Plain decoding is a slow test (CI time): its
+  steps run the forward the speculative verify runs, at 8 rows instead of 16."""
+  plan = streamed_engines(speculative, True).stream_plan
+  assert streamed_engines(speculative, False).stream_plan is None
   assert plan["moe_layers"]["layer_0"]["moe"]["experts"]["w_gate"].shape == (2,)
   assert plan["mtp"]["layer"]["attn"]["wo"].shape == ()
   sp = SamplingParams(max_new_tokens=7, seed=4)
   for n in (1, 2):
     prompts = [rng.integers(0, 256, 9).tolist() for _ in range(n)]
-    outs = {s: streamed_engines[speculative, s].generate(prompts, sp) for s in (False, True)}
+    outs = {s: streamed_engines(speculative, s).generate(prompts, sp) for s in (False, True)}
     for a, b in zip(outs[False], outs[True]):
       assert a.token_ids == b.token_ids
       np.testing.assert_array_equal(a.logprobs, b.logprobs)
