@@ -94,7 +94,8 @@ def forward(cfg, block_size, params, cache, table_bm, tokens_bt, start_b, n_vali
   experts), updated cache)."""
   idx = kv_cache.chunk_index(table_bm, block_size, start_b, n_valid_b, tokens_bt.shape[1],
                              num_rows(cache))
-  return model_lib.GLM5(cfg).apply({"params": params, **streamed(params, "layers")}, tokens_bt, idx.limit_bt, cache=cache,
+  variables = {"params": params, **streamed(params, "layers")}
+  return model_lib.GLM5(cfg).apply(variables, tokens_bt, idx.limit_bt, cache=cache,
                                    cache_index=idx, return_topk=True, return_logits=False,
                                    return_routing=routing)
 

@@ -103,6 +103,7 @@ def mtp_step(cfg, params, next_tokens_bt, h_prev_btd, positions_bt, mtp_cache, c
   """
   inputs = layer_io.LayerInputs.create(cfg, positions_bt, cache_index=cache_index)
   emb = embed_lib.Embed(cfg).apply({"params": params["embed"]}, next_tokens_bt)
-  h, normed, _, mtp_cache = MTPStep(cfg).apply(
-      {"params": params["mtp"], **(collections or {})}, emb, h_prev_btd.astype(emb.dtype), inputs, mtp_cache)
+  variables = {"params": params["mtp"], **(collections or {})}
+  h, normed, _, mtp_cache = MTPStep(cfg).apply(variables, emb, h_prev_btd.astype(emb.dtype),
+                                               inputs, mtp_cache)
   return h, normed, mtp_cache
