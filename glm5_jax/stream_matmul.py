@@ -112,14 +112,20 @@ def available() -> bool:
   return True
 
 
-def matmul(x_mk, w_rkn, layer, kc: int):
+def matmul(x_mk, w_rkn, layer, kc: int | None = None):
   """float32 x [M, K] @ w[layer] [K, N] (w: [R, K, N], layer: int32 []) in Eigen's order
-  with blocks of `kc` (module docstring). Needs `available()`."""
+  with blocks of `kc` (module docstring; None: `kc(K, N)`, which must find one). Needs
+  `available()`."""
   m, k = x_mk.shape
   if w_rkn.ndim != 3 or w_rkn.shape[1] != k:
     raise ValueError(f"stream_matmul: x {x_mk.shape} needs w [R, {k}, N], got {w_rkn.shape}")
   if x_mk.dtype != jnp.float32 or w_rkn.dtype != jnp.float32:
     raise ValueError(f"stream_matmul: float32 only, got x {x_mk.dtype}, w {w_rkn.dtype}")
+  if kc is None:
+    kc = _block_size(k, w_rkn.shape[2])
+    if kc is None:
+      raise ValueError(f"stream_matmul: no block size matches XLA's matmul at [{k}, "
+                       f"{w_rkn.shape[2]}] here (inference/placement.py stream_plan checks it)")
   call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((m, w_rkn.shape[2]), jnp.float32))
   return call(x_mk, w_rkn, jnp.asarray(layer, jnp.int32), kc=np.int64(kc))
 
@@ -142,3 +148,6 @@ def kc(k: int, n: int) -> int | None:
       if all(np.array_equal(got[:m], want[m]) for m in PROBE_ROWS):
         return bounds[1]
   return None
+
+
+_block_size = kc   # for `matmul`, whose argument of that name hides it

@@ -192,12 +192,8 @@ def looped_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid, la
   def matmul(x, w, i):
     if not stream:
       return jnp.einsum("sd,di->si", x, expert(w, i))
-    kc = stream_matmul.kc(*w.shape[-2:])
-    if kc is None:
-      raise ValueError(f"looped_swiglu: stream=True, but stream_matmul.kc{w.shape[-2:]} found "
-                       "no block size (inference/placement.py stream_plan checks it)")
     at = i if layer is None else layer * e + i
-    return stream_matmul.matmul(x, w.reshape(-1, *w.shape[-2:]), at, kc)
+    return stream_matmul.matmul(x, w.reshape(-1, *w.shape[-2:]), at)
 
   def block(j, ys):
     x, i = xs[j], block_expert[j]

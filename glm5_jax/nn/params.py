@@ -75,11 +75,7 @@ def dense(module: nn.Module, name: str, x, w):
     layer = module.get_variable(STREAM_LAYER, name)
     stack = stack if stack.ndim == w.ndim + 1 else stack[None]
     stack = stack.reshape(stack.shape[0], k, -1)
-    kc = stream_matmul.kc(k, stack.shape[2])
-    if kc is None:
-      raise ValueError(f"{name}: streamed, but stream_matmul.kc({k}, {stack.shape[2]}) found "
-                       "no block size (inference/placement.py stream_plan checks it)")
-    y = stream_matmul.matmul(x.reshape(rows, k).astype(stack.dtype), stack, layer, kc)
+    y = stream_matmul.matmul(x.reshape(rows, k).astype(stack.dtype), stack, layer)
     return y.reshape(x.shape[:x.ndim - n] + w.shape[n:]).astype(x.dtype)
   return jnp.tensordot(x, w, n)
 
