@@ -27,7 +27,8 @@ Sections (`--sections`, default all):
               per preset (`--floor_presets`, random weights), context (`--floor_contexts`
               prompt tokens) and batch (`--floor_batches`), the bytes a step must read (the
               routed experts its tokens select, recorded by the engine), this machine's
-              streaming bandwidth (a jitted sum over 256 MiB, measured in the same run), the
+              streaming bandwidth (a jitted sum over 256 MiB: the median of one measurement per
+              round of the runs it divides, the VM's bandwidth drifts), the
               floor time, the engine's measured step time (decode seconds / decode steps of
               `generate`, greedy, the prompts' blocks cached after the first run) and
               floor / step. Batch-invariant engine (RL's exactness mode: a lone request
@@ -393,8 +394,6 @@ def _floor_bytes(cfg, params, outs, ctx, n_new):
 
 def bench_floor(cfg, params):
   del cfg, params                                    # random weights of each preset
-  gbs = stream_gbs()
-  print(f"  streaming read: {gbs:.1f} GB/s", flush=True)
   batches = [int(b) for b in _FLOOR_BATCHES.value]
   n_new = _FLOOR_NEW.value
   sp = SamplingParams(max_new_tokens=n_new, temperature=0.0)
@@ -418,15 +417,21 @@ def bench_floor(cfg, params):
       for mv, b in runs:                                  # compile; the prompts' blocks cached
         engines[mv].generate(prompts[:b], sp)
       times = {run: [] for run in runs}
+      gbs_all = []      # the VM's bandwidth drifts: measured between the rounds it divides
       for _ in range(_FLOOR_REPEATS.value):
+        gbs_all.append(stream_gbs())
         for mv, b in runs:
           engines[mv].generate(prompts[:b], sp)
           st = engines[mv].last_stats
           times[mv, b].append(st["decode_s"] / st["decode_steps"])
+      gbs = float(np.median(gbs_all))
+      print(f"  streaming read: {gbs:.1f} GB/s (median; {min(gbs_all):.1f} .. "
+            f"{max(gbs_all):.1f} over the rounds)", flush=True)
       for mv, b in runs:
         step_s = float(np.median(times[mv, b]))
         floor_s = need[b]["total"] / (gbs * 1e9)
         rows.append({"preset": name, "context": ctx, "batch": b, "stream_gbs": gbs,
+                     "stream_gbs_all": gbs_all,
                      "engine": mv, "matvec_head": engines[mv].head_blocks is not None,
                      "stream_matmul": engines[mv].stream_plan is not None,
                      **{f"{k}_bytes": v for k, v in need[b].items()}, "floor_ms": floor_s * 1e3,

@@ -3,10 +3,11 @@
 // multiply-add per k from zero; the blocks' sums added to y (from zero) one after another.
 // Each weight is read once, straight from its stack at `layer` (no slice copied out of the
 // stack, no packing pass); equal rows of x are computed once (a lone request's decode step
-// mirrors its row over 8 lanes). Up to 4 distinct rows: each k-block's rows of w are read
-// whole, in storage order, one work item per block (and column chunk), the blocks' sums
-// added in order at the end; more rows: register tiles over column chunks. Work items go
-// to the calling thread and XLA's intra-op thread pool. See glm5_jax/stream_matmul.py.
+// mirrors its row over 8 lanes). Up to 64 distinct rows: each k-block's rows of w are read
+// in storage order (whole rows up to 4 distinct rows of x, column chunks of 256 above), one
+// work item per block and column chunk, the blocks' sums added in order at the end; more
+// rows (prefill): register tiles over column chunks. Work items go to the calling thread
+// and XLA's intra-op thread pool. See glm5_jax/stream_matmul.py.
 
 #include <algorithm>
 #include <atomic>
@@ -58,7 +59,8 @@ inline vec vadd(vec a, vec b) { return a + b; }
 
 constexpr int kAcc = 16;    // accumulator registers per tile (rows x vectors)
 constexpr int kAhead = 8;   // rows of w prefetched ahead
-constexpr int64_t kRowStreamMax = 4;       // most distinct rows streamed whole (else tiles)
+constexpr int64_t kRowStreamMax = 64;      // most distinct rows streamed (else tiles)
+constexpr int64_t kWideRows = 4;           // more rows than this: column chunks of 256
 constexpr int64_t kMinSplit = 256 << 10;   // smaller weights (bytes): one thread
 
 struct Problem {
@@ -148,68 +150,85 @@ void Columns(const Problem& p, int64_t c0, int64_t c1) {
 }
 
 // Rows streamed whole: each row of w (up to `chunk` columns of it) is read once and used for
-// every distinct row of x, four rows of w per pass over the sums, which live in a buffer in
-// L1 / L2; w streams in the order it is stored. Rows of x go in groups of up to 4.
-template <int U>
-inline void Quad(float* const* acc, const vec (*xb)[4], const float* wr, int64_t n_stride,
-                 int64_t vec_cols) {
+// every distinct row of x, kPass rows of w per pass over the sums, which live in a buffer in
+// L1; w streams in the order it is stored, each cache line prefetched into L2 kAheadRows
+// rows before it is used (into L1 it measured half as fast: docs/benchmarks.md).
+constexpr int kPass = 8;         // rows of w per pass over the sums
+constexpr int kAheadRows = 16;   // prefetch distance, rows of w
+
+// One pass: rows [k, k + kPass) of w (columns [c0, c0 + w_cols)) into the sums of U rows of
+// x; `prefetch`: this group is the pass's first, so it reads w from memory and prefetches.
+template <int U, bool kFirst>
+inline void Pass(const Problem& p, const float* const* xr, float* acc, int64_t w_cols,
+                 int64_t c0, int64_t k) {
+  const int64_t vec_cols = w_cols / kLanes * kLanes, N = p.N;
+  const float* wr = p.w + k * N + c0;
+  vec xb[U][kPass];
+  for (int u = 0; u < U; ++u)
+    for (int j = 0; j < kPass; ++j) xb[u][j] = vset1(xr[u][k + j]);
   for (int64_t n = 0; n < vec_cols; n += kLanes) {
-    const vec w0 = vload(wr + n), w1 = vload(wr + n_stride + n),
-              w2 = vload(wr + 2 * n_stride + n), w3 = vload(wr + 3 * n_stride + n);
-    for (int u = 0; u < U; ++u) {
-      vec a = vload(acc[u] + n);
-      a = vfma(xb[u][0], w0, a);
-      a = vfma(xb[u][1], w1, a);
-      a = vfma(xb[u][2], w2, a);
-      a = vfma(xb[u][3], w3, a);
-      vstore(acc[u] + n, a);
+    vec wv[kPass];
+    for (int j = 0; j < kPass; ++j) {
+      if constexpr (kFirst) __builtin_prefetch(wr + (kAheadRows + j) * N + n, 0, 2);
+      wv[j] = vload(wr + j * N + n);
     }
+    for (int u = 0; u < U; ++u) {
+      vec a = vload(acc + u * w_cols + n);
+      for (int j = 0; j < kPass; ++j) a = vfma(xb[u][j], wv[j], a);
+      vstore(acc + u * w_cols + n, a);
+    }
+  }
+  for (int64_t n = vec_cols; n < w_cols; ++n)
+    for (int u = 0; u < U; ++u)
+      for (int j = 0; j < kPass; ++j)
+        acc[u * w_cols + n] = std::fma(xr[u][k + j], wr[j * N + n], acc[u * w_cols + n]);
+}
+
+template <bool kFirst>
+inline void PassGroup(const Problem& p, const float* const* xr, int n_rows, float* acc,
+                      int64_t w_cols, int64_t c0, int64_t k) {
+  switch (n_rows) {
+    case 1: return Pass<1, kFirst>(p, xr, acc, w_cols, c0, k);
+    case 2: return Pass<2, kFirst>(p, xr, acc, w_cols, c0, k);
+    case 3: return Pass<3, kFirst>(p, xr, acc, w_cols, c0, k);
+    default: return Pass<4, kFirst>(p, xr, acc, w_cols, c0, k);
   }
 }
 
-// Columns [c0, c1) of k-block `block`'s sums, from zero, into p.partial[block].
+// Columns [c0, c1) of k-block `block`'s sums, from zero, into p.partial[block], or (no
+// p.partial: the caller runs the blocks in order) added to y: each pass's rows of w come
+// from memory for the first group of 4 rows of x and from L1 for the others.
 void RowStream(const Problem& p, int64_t c0, int64_t c1, int64_t block) {
   const int64_t u_all = static_cast<int64_t>(p.rows.size());
-  const int64_t w_cols = c1 - c0, vec_cols = w_cols / kLanes * kLanes;
-  std::vector<float> buffer(u_all * w_cols + 16, 0.0f);
-  float* base = buffer.data() + (16 - reinterpret_cast<uintptr_t>(buffer.data()) / 4 % 16) % 16;
-  std::vector<float*> acc(u_all);
+  const int64_t w_cols = c1 - c0;
+  thread_local std::vector<float> buffer;
+  buffer.assign(u_all * w_cols + 16, 0.0f);
+  float* acc = buffer.data() + (16 - reinterpret_cast<uintptr_t>(buffer.data()) / 4 % 16) % 16;
   std::vector<const float*> xr(u_all);
-  for (int64_t u = 0; u < u_all; ++u) {
-    acc[u] = base + u * w_cols;
-    xr[u] = p.x + p.rows[u] * p.K;
-  }
+  for (int64_t u = 0; u < u_all; ++u) xr[u] = p.x + p.rows[u] * p.K;
   const int64_t k0 = block * p.kc, k1 = std::min(p.K, k0 + p.kc);
   int64_t k = k0;
-  for (; k + 4 <= k1; k += 4) {
-    const float* wr = p.w + k * p.N + c0;
-    for (int j = 0; j < 4; ++j)
-      for (int64_t c = 0; c < w_cols; c += 16) __builtin_prefetch(wr + (kAhead + j) * p.N + c);
+  for (; k + kPass <= k1; k += kPass)
     for (int64_t g = 0; g < u_all; g += 4) {
       const int n_rows = static_cast<int>(std::min<int64_t>(4, u_all - g));
-      vec xb[4][4];
-      for (int u = 0; u < n_rows; ++u)
-        for (int j = 0; j < 4; ++j) xb[u][j] = vset1(xr[g + u][k + j]);
-      float* const* a = acc.data() + g;
-      switch (n_rows) {
-        case 1: Quad<1>(a, xb, wr, p.N, vec_cols); break;
-        case 2: Quad<2>(a, xb, wr, p.N, vec_cols); break;
-        case 3: Quad<3>(a, xb, wr, p.N, vec_cols); break;
-        default: Quad<4>(a, xb, wr, p.N, vec_cols); break;
-      }
+      if (g == 0) PassGroup<true>(p, xr.data(), n_rows, acc, w_cols, c0, k);
+      else PassGroup<false>(p, xr.data() + g, n_rows, acc + g * w_cols, w_cols, c0, k);
     }
-    for (int64_t n = vec_cols; n < w_cols; ++n)
-      for (int64_t u = 0; u < u_all; ++u)
-        for (int j = 0; j < 4; ++j)
-          acc[u][n] = std::fma(xr[u][k + j], wr[j * p.N + n], acc[u][n]);
-  }
   for (; k < k1; ++k) {
     const float* wr = p.w + k * p.N + c0;
     for (int64_t u = 0; u < u_all; ++u)
-      for (int64_t n = 0; n < w_cols; ++n) acc[u][n] = std::fma(xr[u][k], wr[n], acc[u][n]);
+      for (int64_t n = 0; n < w_cols; ++n)
+        acc[u * w_cols + n] = std::fma(xr[u][k], wr[n], acc[u * w_cols + n]);
   }
-  for (int64_t u = 0; u < u_all; ++u)
-    std::memcpy(p.partial + (block * u_all + u) * p.N + c0, acc[u], sizeof(float) * w_cols);
+  for (int64_t u = 0; u < u_all; ++u) {
+    const float* a = acc + u * w_cols;
+    if (p.partial) {
+      std::memcpy(p.partial + (block * u_all + u) * p.N + c0, a, sizeof(float) * w_cols);
+    } else {
+      float* yr = p.y + p.rows[u] * p.N + c0;
+      for (int64_t n = 0; n < w_cols; ++n) yr[n] += a[n];
+    }
+  }
 }
 
 using ColumnsFn = void (*)(const Problem&, int64_t, int64_t);
@@ -226,8 +245,9 @@ int TileVectors(int64_t distinct_rows) {
 struct Shared {
   Problem p;
   ColumnsFn fn = nullptr;            // tiles: one item per column chunk, every k-block
-  int64_t chunk = 0, n_chunks = 0;   // RowStream (fn null): an item per chunk and k-block
-  int64_t n_items = 0;
+  int64_t chunk = 0, n_chunks = 0;   // RowStream (fn null): an item per chunk and k-block,
+  int64_t n_items = 0, blocks = 0;   // or (whole_k) per chunk, its k-blocks in order
+  bool whole_k = false;
   std::vector<float> partial;
   std::atomic<int64_t> next{0}, done{0};
 };
@@ -236,6 +256,7 @@ void Work(Shared& s) {
   for (int64_t i; (i = s.next.fetch_add(1)) < s.n_items;) {
     const int64_t c0 = i % s.n_chunks * s.chunk, c1 = std::min(s.p.N, c0 + s.chunk);
     if (s.fn) s.fn(s.p, c0, c1);
+    else if (s.whole_k) for (int64_t b = 0; b < s.blocks; ++b) RowStream(s.p, c0, c1, b);
     else RowStream(s.p, c0, c1, i / s.n_chunks);
     s.done.fetch_add(1, std::memory_order_release);
   }
@@ -276,15 +297,22 @@ ffi::Error StreamMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       K * N * 4 < kMinSplit ? 1 : std::max<int64_t>(1, pool.num_threads());
   const int64_t blocks = (K + kc - 1) / kc;
   if (u <= kRowStreamMax) {
-    // Whole rows of each k-block, as many column chunks as it takes to give every thread
-    // an item; the blocks' sums are added in order below.
+    // Rows of each k-block in column chunks, at least as many as it takes to give every
+    // thread an item. With chunks enough for every thread (or one k-block), an item is a
+    // chunk over its k-blocks in order, their sums added to y as they come; else an item
+    // per chunk and k-block, the blocks' sums kept and added in order below.
     const int64_t per_block = blocks >= threads ? 1 : (threads + blocks - 1) / blocks;
     const int64_t width = (N + per_block - 1) / per_block;
-    s->chunk = std::min<int64_t>(2048, (width + kLanes - 1) / kLanes * kLanes);
+    s->chunk = std::min<int64_t>(u > kWideRows ? 256 : 2048,
+                                 (width + kLanes - 1) / kLanes * kLanes);
     s->n_chunks = (N + s->chunk - 1) / s->chunk;
-    s->n_items = s->n_chunks * blocks;
-    s->partial.resize(blocks * u * N);
-    p.partial = s->partial.data();
+    s->blocks = blocks;
+    s->whole_k = blocks == 1 || s->n_chunks >= 2 * threads;
+    s->n_items = s->whole_k ? s->n_chunks : s->n_chunks * blocks;
+    if (!s->whole_k) {
+      s->partial.resize(blocks * u * N);
+      p.partial = s->partial.data();
+    }
   } else {
     const int vecs = TileVectors(u);
     const int64_t width = vecs * kLanes;
@@ -298,7 +326,7 @@ ffi::Error StreamMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([s] { Work(*s); });
   Work(*s);
   while (s->done.load(std::memory_order_acquire) < s->n_items) std::this_thread::yield();
-  if (!s->fn)  // y = ((0 + block 0) + block 1) + ...: Eigen's order
+  if (p.partial)  // y = ((0 + block 0) + block 1) + ...: Eigen's order
     for (int64_t b = 0; b < blocks; ++b)
       for (int64_t r = 0; r < u; ++r) {
         float* yr = p.y + p.rows[r] * N;

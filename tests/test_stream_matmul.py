@@ -30,12 +30,13 @@ def _xla_rows(x, w):
 
 
 @pytest.mark.parametrize("k,n", [(512, 256), (256, 512), (300, 72), (64, 40), (1536, 512)])
-@pytest.mark.parametrize("rows", ["one_mirrored", "three", "sixteen"])
+@pytest.mark.parametrize("rows", ["one_mirrored", "three", "sixteen", "forty_one", "eighty"])
 def test_matmul_equals_xlas_matmul_bitwise(k, n, rows, rng):
   """Every path: a lone lane mirrored over 8 rows (one row computed), few distinct rows
-  (rows streamed whole, k-blocks in parallel), 16 (register tiles); tails of k (300, not a
-  multiple of 4) and of n (40, 72: not a multiple of the vector width); several k-blocks
-  (512; 1536, whose last block is shorter); layers of a stack."""
+  (rows streamed whole, k-blocks in parallel), 16 and 41 (streamed in groups of 4, the last
+  one short), 80 (register tiles); tails of k (300, not a multiple of the 8 rows of w a
+  pass reads) and of n (40, 72: not a multiple of the vector width); several k-blocks (512;
+  1536, whose last block is shorter); layers of a stack."""
   kc = stream_matmul.kc(k, n)
   if kc is None:
     pytest.skip(f"no block size of Eigen's rule matched XLA's matmul at [{k}, {n}] here")
@@ -46,7 +47,8 @@ def test_matmul_equals_xlas_matmul_bitwise(k, n, rows, rng):
     x = rng.standard_normal((3, k), np.float32)
     x = np.concatenate([x, np.zeros((5, k), np.float32)])      # an expert block's padding
   else:
-    x = rng.standard_normal((16, k), np.float32)
+    x = rng.standard_normal(({"sixteen": 16, "forty_one": 41, "eighty": 80}[rows], k),
+                            np.float32)
   x = jnp.asarray(x)
   run = jax.jit(stream_matmul.matmul, static_argnames="kc")
   for layer in (0, 2):
@@ -119,6 +121,7 @@ def test_streamed_engines_keep_the_engines_bits(streamed_engines, speculative, r
   assert streamed_engines(speculative, False).stream_plan is None
   assert plan["moe_layers"]["layer_0"]["moe"]["experts"]["w_gate"].shape == (2,)
   assert plan["mtp"]["layer"]["attn"]["wo"].shape == ()
+  assert plan["lm_head"]["kernel"].shape == ()
   sp = SamplingParams(max_new_tokens=7, seed=4)
   for n in (1, 2):
     prompts = [rng.integers(0, 256, 9).tolist() for _ in range(n)]

@@ -85,11 +85,11 @@ def head_blocks(cfg, served, mesh):
 def stream_plan(cfg, served, mesh):
   """{path: layer indices} of the weights the engine streams (glm5_jax/stream_matmul.py), or
   None: on one CPU device with float32 activations and the kernel built, the float32
-  matrices that the decoder stacks and the MTP layer multiply through `nn.params.dense` and
-  their routed experts (`ffn.looped_swiglu`), of at least STREAM_MIN_BYTES per layer (per
-  expert), whose block size `stream_matmul.kc` finds. The
-  leaves are int32 [R] (a stack's layers) or int32 [] (the MTP layer): the served tree's
-  `steps.STREAM_KEY` entry. `served`: the served tree's shapes."""
+  matrices that the decoder stacks, the MTP layer and the lm_head multiply through
+  `nn.params.dense` and the routed experts (`ffn.looped_swiglu`), of at least
+  STREAM_MIN_BYTES per layer (per expert), whose block size `stream_matmul.kc` finds. The
+  leaves are int32 [R] (a stack's layers) or int32 [] (the MTP layer, the lm_head): the
+  served tree's `steps.STREAM_KEY` entry. `served`: the served tree's shapes."""
   if (mesh is not None or jax.devices()[0].platform != "cpu"
       or jnp.dtype(cfg.dtype) != jnp.float32 or not stream_matmul.available()):
     return None
@@ -113,6 +113,10 @@ def stream_plan(cfg, served, mesh):
       node = node.setdefault(key, {})
     node[keys[-1]] = (np.arange(leaf.shape[0], dtype=np.int32) if stacked
                       else np.zeros((), np.int32))
+  head = served["lm_head"]["kernel"]
+  if (head.dtype == jnp.float32 and head.size * 4 >= STREAM_MIN_BYTES
+      and stream_matmul.kc(*head.shape) is not None):
+    plan["lm_head"] = {"kernel": np.zeros((), np.int32)}
   return plan or None
 
 

@@ -50,14 +50,17 @@ from glm5_jax.nn import params as params_lib
 STREAM_KEY = "stream_layers"   # served parameters: the streamed weights' layer indices
 
 
+UNSTACKED = ("mtp", "lm_head")   # streamed parts applied as modules of their own
+
+
 def streamed(params, part: str):
   """The variable collections that stream the weights of `params[part]` ("layers": the
-  decoder stacks; "mtp") the engine serves streamed (`params[STREAM_KEY]`,
+  decoder stacks; "mtp"; "lm_head") the engine serves streamed (`params[STREAM_KEY]`,
   placement.py `stream_plan`), paths relative to the module applied; {} if none."""
   plan = params.get(STREAM_KEY, {})
-  if part == "mtp":
-    return params_lib.stream_collections(params["mtp"], plan["mtp"]) if "mtp" in plan else {}
-  layers = {k: v for k, v in plan.items() if k != "mtp"}
+  if part in UNSTACKED:
+    return params_lib.stream_collections(params[part], plan[part]) if part in plan else {}
+  layers = {k: v for k, v in plan.items() if k not in UNSTACKED}
   return params_lib.stream_collections(params, layers) if layers else {}
 
 
@@ -102,7 +105,8 @@ def forward(cfg, block_size, params, cache, table_bm, tokens_bt, start_b, n_vali
 
 def head(cfg, params, normed):
   """float32 logits [.., V]: the trainer's lm_head."""
-  return embed_lib.Head(cfg).apply({"params": params["lm_head"]}, normed)
+  return embed_lib.Head(cfg).apply({"params": params["lm_head"], **streamed(params, "lm_head")},
+                                   normed)
 
 
 def lane_head(cfg, params, normed, live_b):

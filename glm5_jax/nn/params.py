@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from glm5_jax import numerics
 from glm5_jax import quant
 from glm5_jax import stream_matmul
 
@@ -58,26 +59,32 @@ def host_initializer(path, cfg):
 # tensordot (the trainer, every other backend).
 STREAM_W, STREAM_LAYER = "stream_w", "stream_layer"
 STREAM_MAX_ROWS = 64     # rows beyond which the matmul stays XLA's (prefill chunks)
-# The weights a module multiplies through `dense`, and how many leading axes each contracts.
+# The weights a module multiplies through `dense`, and how many leading axes each contracts
+# (the lm_head's "kernel", nn/embed.py, is not listed: the routers' weights share its name and
+# are not multiplied through `dense`; a name not listed contracts one axis).
 DENSE_WEIGHTS = {"wq_a": 1, "wq_b": 1, "wkv_a": 1, "wo": 2, "wk": 1, "weights_proj": 1,
                  "w_gate": 1, "w_up": 1, "w_down": 1, "eh_proj": 1}
 
 
-def dense(module: nn.Module, name: str, x, w):
+def dense(module: nn.Module, name: str, x, w, preferred_element_type=None,
+          max_rows: int = STREAM_MAX_ROWS):
   """x contracted with w's first `DENSE_WEIGHTS[name]` axes (`jnp.tensordot`): [..., *w.shape
   [:n]] -> [..., *w.shape[n:]]. Where the forward streams `module.<name>` (STREAM_W) and x
-  has at most STREAM_MAX_ROWS rows, the same numbers from the streamed CPU kernel."""
-  n = DENSE_WEIGHTS[name]
+  has MIN_INVARIANT_ROWS to `max_rows` rows (fewer: XLA may sum in another order,
+  glm5_jax/numerics.py), the same numbers from the streamed CPU kernel."""
+  n = DENSE_WEIGHTS.get(name, 1)
   k = int(np.prod(w.shape[:n]))
   rows = x.size // k
-  if module.has_variable(STREAM_W, name) and rows <= STREAM_MAX_ROWS:
+  if (module.has_variable(STREAM_W, name)
+      and numerics.MIN_INVARIANT_ROWS <= rows <= max_rows):
     stack = module.get_variable(STREAM_W, name)
     layer = module.get_variable(STREAM_LAYER, name)
     stack = stack if stack.ndim == w.ndim + 1 else stack[None]
     stack = stack.reshape(stack.shape[0], k, -1)
     y = stream_matmul.matmul(x.reshape(rows, k).astype(stack.dtype), stack, layer)
-    return y.reshape(x.shape[:x.ndim - n] + w.shape[n:]).astype(x.dtype)
-  return jnp.tensordot(x, w, n)
+    return y.reshape(x.shape[:x.ndim - n] + w.shape[n:]).astype(
+        preferred_element_type or x.dtype)
+  return jnp.tensordot(x, w, n, preferred_element_type=preferred_element_type)
 
 
 def stream_collections(params, layers):
