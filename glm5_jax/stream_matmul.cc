@@ -4,10 +4,11 @@
 // Each weight is read once, straight from its stack at `layer` (no slice copied out of the
 // stack, no packing pass); equal rows of x are computed once (a lone request's decode step
 // mirrors its row over 8 lanes). Up to 64 distinct rows: each k-block's rows of w are read
-// in storage order (whole rows up to 4 distinct rows of x, column chunks of 256 above), one
-// work item per block and column chunk, the blocks' sums added in order at the end; more
-// rows (prefill): register tiles over column chunks. Work items go to the calling thread
-// and XLA's intra-op thread pool. See glm5_jax/stream_matmul.py.
+// in storage order (whole rows up to 4 distinct rows of x, column chunks of 256 above), a
+// work item per column chunk (its k-blocks in order) or, with few chunks, per chunk and
+// k-block (the blocks' sums added in order at the end); more rows (prefill): register
+// tiles over column chunks. Work items go to the calling thread and XLA's intra-op thread
+// pool. See glm5_jax/stream_matmul.py.
 
 #include <algorithm>
 #include <atomic>
@@ -149,7 +150,7 @@ void Columns(const Problem& p, int64_t c0, int64_t c1) {
   }
 }
 
-// Rows streamed whole: each row of w (up to `chunk` columns of it) is read once and used for
+// Rows streamed: each row of w (up to `chunk` columns of it) is read once and used for
 // every distinct row of x, kPass rows of w per pass over the sums, which live in a buffer in
 // L1; w streams in the order it is stored, each cache line prefetched into L2 kAheadRows
 // rows before it is used (into L1 it measured half as fast: docs/benchmarks.md).
@@ -157,7 +158,7 @@ constexpr int kPass = 8;         // rows of w per pass over the sums
 constexpr int kAheadRows = 16;   // prefetch distance, rows of w
 
 // One pass: rows [k, k + kPass) of w (columns [c0, c0 + w_cols)) into the sums of U rows of
-// x; `prefetch`: this group is the pass's first, so it reads w from memory and prefetches.
+// x; kFirst: this group is the pass's first, so it reads w from memory and prefetches.
 template <int U, bool kFirst>
 inline void Pass(const Problem& p, const float* const* xr, float* acc, int64_t w_cols,
                  int64_t c0, int64_t k) {

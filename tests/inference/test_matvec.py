@@ -1,6 +1,8 @@
 """inference/matvec.py: one row through XLA:CPU's matrix-vector kernel, split at the k-blocks
 of its matmul, equals the matmul's row bitwise; so does the engine's one-row head."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -57,40 +59,42 @@ def test_matvec_checks_that_its_blocks_cover_x():
 @pytest.fixture(scope="module")
 def wide():
   """tiny with a 512-wide hidden state: a 786 KB head (over matvec.MIN_BYTES) in two k-blocks
-  here; lone-request engines with and without the one-row head."""
+  here; (speculative, matvec_head) -> a lone-request engine, made on first use."""
   cfg = config_lib.get_preset("tiny", hidden_size=512)
   params = gnn.init_params(cfg, 0)
   kw = dict(max_batch=1, max_len=48, block_size=8, steps_per_sync=4)
-  engines = {(spec, mv): Engine(cfg, params, speculative=spec, num_draft=1, matvec_head=mv,
-                                **kw) for spec in (False, True) for mv in (False, True)}
-  return cfg, engines
+
+  @functools.cache
+  def engine(spec, mv):
+    return Engine(cfg, params, speculative=spec, num_draft=1, matvec_head=mv, **kw)
+  return engine
 
 
 def test_the_tiny_preset_keeps_the_matmul_head(tiny_cfg, tiny_params):
   assert Engine(tiny_cfg, tiny_params, max_batch=1, max_len=16).head_blocks is None
 
 
-@pytest.mark.parametrize("speculative", [False, True])
+@pytest.mark.parametrize("speculative", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_one_row_head_engines_keep_the_matmul_heads_bits(wide, speculative, rng):
   """A lone request's decode steps (plain) or its MTP drafts, verify and first MTP call of
   each round (speculative, one draft: 2 tokens per lane) through the split head: the same
   sampled tokens and log-probs as the 8-lane matmul head (which equals the trainer:
-  tests/inference/test_engine.py)."""
-  _, engines = wide
-  assert engines[speculative, False].head_blocks is None
-  if engines[speculative, True].head_blocks is None:
+  tests/inference/test_engine.py). Plain decoding is a slow test (CI time): its one-token
+  calls are the MTP drafts' shape."""
+  assert wide(speculative, False).head_blocks is None
+  if wide(speculative, True).head_blocks is None:
     pytest.skip("matvec.k_blocks found no split of the head on this CPU")
-  assert len(engines[speculative, True].head_blocks) > 2
+  assert len(wide(speculative, True).head_blocks) > 2
   prompt = rng.integers(0, 256, 9).tolist()
   sp = SamplingParams(max_new_tokens=10, seed=4)
-  outs = {mv: engines[speculative, mv].generate([prompt], sp)[0] for mv in (False, True)}
+  outs = {mv: wide(speculative, mv).generate([prompt], sp)[0] for mv in (False, True)}
   assert outs[True].token_ids == outs[False].token_ids
   np.testing.assert_array_equal(outs[True].logprobs, outs[False].logprobs)
 
 
+@pytest.mark.slow   # CI time: a plain engine of its own (tests/inference/test_speculative.py)
 def test_greedy_speculative_with_the_one_row_head_emits_the_plain_tokens(wide, rng):
-  _, engines = wide
   prompt = rng.integers(0, 256, 7).tolist()
   sp = SamplingParams(max_new_tokens=9, temperature=0.0)
-  assert (engines[True, True].generate([prompt], sp)[0].token_ids
-          == engines[False, False].generate([prompt], sp)[0].token_ids)
+  assert (wide(True, True).generate([prompt], sp)[0].token_ids
+          == wide(False, False).generate([prompt], sp)[0].token_ids)
