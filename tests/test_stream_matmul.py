@@ -87,6 +87,22 @@ def test_bad_operands_name_the_problem():
                          kc=64)
 
 
+def test_laid_out_copies_are_the_planned_weights_in_their_served_layouts(rng):
+  """Only the weights nn.params.SERVED_LAYOUTS lists, a stack's layer axis kept first."""
+  w_uv = rng.standard_normal((2, 4, 3, 5), np.float32)       # [R, c, h, v]
+  w_uk = rng.standard_normal((4, 3, 6), np.float32)          # the MTP layer's [c, h, n]
+  params = {"moe_layers": {"layer_0": {"attn": {"w_uv": w_uv, "wo": w_uv}}},
+            "mtp": {"layer": {"attn": {"w_uk": w_uk}}}}
+  plan = {"moe_layers": {"layer_0": {"attn": {"w_uv": np.arange(2), "wo": np.arange(2)}}},
+          "mtp": {"layer": {"attn": {"w_uk": np.zeros((), np.int32)}}}}
+  out = placement.laid_out_copies(plan, params)
+  assert set(out["moe_layers"]["layer_0"]["attn"]) == {"w_uv"}
+  np.testing.assert_array_equal(out["moe_layers"]["layer_0"]["attn"]["w_uv"],
+                                np.transpose(w_uv, (0, 2, 3, 1)))           # [R, h, v, c]
+  np.testing.assert_array_equal(out["mtp"]["layer"]["attn"]["w_uk"],
+                                np.transpose(w_uk, (1, 0, 2)))              # [h, c, n]
+
+
 def test_the_tiny_preset_is_not_streamed(tiny_cfg, tiny_params):
   """Its weights (under placement.STREAM_MIN_BYTES) stay with XLA's matmul: the main job's
   programs are unchanged."""
@@ -122,6 +138,7 @@ def test_streamed_engines_keep_the_engines_bits(streamed_engines, speculative, r
   assert plan["moe_layers"]["layer_0"]["moe"]["experts"]["w_gate"].shape == (2,)
   assert plan["mtp"]["layer"]["attn"]["wo"].shape == ()
   assert plan["lm_head"]["kernel"].shape == ()
+  assert plan["moe_layers"]["layer_0"]["attn"]["w_uv"].shape == (2,)      # served laid out
   sp = SamplingParams(max_new_tokens=7, seed=4)
   for n in (1, 2):
     prompts = [rng.integers(0, 256, 9).tolist() for _ in range(n)]

@@ -87,9 +87,11 @@ def stream_plan(cfg, served, mesh):
   None: on one CPU device with float32 activations and the kernel built, the float32
   matrices that the decoder stacks, the MTP layer and the lm_head multiply through
   `nn.params.dense` and the routed experts (`ffn.looped_swiglu`), of at least
-  STREAM_MIN_BYTES per layer (per expert), whose block size `stream_matmul.kc` finds. The
-  leaves are int32 [R] (a stack's layers) or int32 [] (the MTP layer, the lm_head): the
-  served tree's `steps.STREAM_KEY` entry. `served`: the served tree's shapes."""
+  STREAM_MIN_BYTES per layer (per expert), whose block size `stream_matmul.kc` finds; and
+  those of that size that `nn.params.SERVED_LAYOUTS` lists (served laid out for their
+  products, `laid_out_copies`). The leaves are int32 [R] (a stack's layers) or int32 [] (the
+  MTP layer, the lm_head): the served tree's `steps.STREAM_KEY` entry. `served`: the served
+  tree's shapes."""
   if (mesh is not None or jax.devices()[0].platform != "cpu"
       or jnp.dtype(cfg.dtype) != jnp.float32 or not stream_matmul.available()):
     return None
@@ -99,14 +101,16 @@ def stream_plan(cfg, served, mesh):
       {k: v for k, v in served.items() if k in roots}):
     keys = tuple(str(getattr(p, "key", p)) for p in path)
     n = params_lib.DENSE_WEIGHTS.get(keys[-1])
+    laid = keys[-1] in params_lib.SERVED_LAYOUTS      # served laid out, not multiplied
     stacked = keys[0] != "mtp"
     shape = leaf.shape[1:] if stacked else leaf.shape
     if "experts" in keys:                  # [E, K, N]: each expert's matrix (nn/ffn.py)
       shape, n = shape[1:], 1
-    if (n is None or leaf.dtype != jnp.float32 or np.prod(shape) * 4 < STREAM_MIN_BYTES):
+    if ((n is None and not laid) or leaf.dtype != jnp.float32
+        or np.prod(shape) * 4 < STREAM_MIN_BYTES):
       continue
-    k = int(np.prod(shape[:n]))
-    if stream_matmul.kc(k, int(np.prod(shape)) // k) is None:
+    k = int(np.prod(shape[:n or 0]))
+    if not laid and stream_matmul.kc(k, int(np.prod(shape)) // k) is None:
       continue
     node = plan
     for key in keys[:-1]:
@@ -120,6 +124,26 @@ def stream_plan(cfg, served, mesh):
   return plan or None
 
 
+def laid_out_copies(plan, params):
+  """The copies of the planned weights that nn.params.SERVED_LAYOUTS lists, in its layouts
+  (a stack's layer axis first): the served tree's `steps.LAYOUT_KEY` entry."""
+  out = {}
+  for path, layers in jax.tree_util.tree_leaves_with_path(plan):
+    keys = [p.key for p in path]
+    if keys[-1] not in params_lib.SERVED_LAYOUTS:
+      continue
+    leaf = params
+    for key in keys:
+      leaf = leaf[key]
+    axes = params_lib.SERVED_LAYOUTS[keys[-1]]
+    axes = (0, *(a + 1 for a in axes)) if np.ndim(layers) else axes
+    node = out
+    for key in keys[:-1]:
+      node = node.setdefault(key, {})
+    node[keys[-1]] = jnp.transpose(leaf, axes)
+  return out
+
+
 class Served:
   """The parameters an engine serves: converted (precision.py: `weight_dtype`, `scheme`) on
   the devices and committed to their shardings (`place`); `params` holds them. With
@@ -127,7 +151,8 @@ class Served:
   k-blocks (`matvec.HEAD_KEY`): one more copy of the head, for one-row decode steps. With
   `stream` (and `stream_plan` found), they hold the streamed weights' layer indices
   (`steps.STREAM_KEY`), which make the steps multiply those weights with
-  glm5_jax/stream_matmul.py."""
+  glm5_jax/stream_matmul.py, and copies of MLA's `w_uk` / `w_uv` in the layout their
+  products read (`steps.LAYOUT_KEY`, `laid_out_copies`: +3.7 MB for `small`)."""
 
   def __init__(self, cfg, params, mesh, rules, weight_dtype: str = "float32", scheme=None,
                matvec_head: bool = False, stream: bool = False):
@@ -143,10 +168,12 @@ class Served:
           self._split, served["lm_head"]["kernel"])}
     self.stream_plan = stream_plan(cfg, served, mesh) if stream else None
     if self.stream_plan is not None:
-      served = {**served, steps.STREAM_KEY: jax.eval_shape(lambda: self.stream_plan)}
+      self._lay_out = jax.jit(functools.partial(laid_out_copies, self.stream_plan))
+      served = {**served, steps.STREAM_KEY: jax.eval_shape(lambda: self.stream_plan),
+                steps.LAYOUT_KEY: jax.eval_shape(self._lay_out, served)}
     self.shardings = shardings(cfg, mesh, rules, served)
     converted_sh = {k: v for k, v in self.shardings["params"].items()
-                    if k not in (matvec.HEAD_KEY, steps.STREAM_KEY)}
+                    if k not in (matvec.HEAD_KEY, steps.STREAM_KEY, steps.LAYOUT_KEY)}
     self._convert = jax.jit(convert, out_shardings=converted_sh)
     self.params, self._owned = place(self._converted(params), self.shardings["params"])
 
@@ -159,7 +186,8 @@ class Served:
     if self.head_blocks is not None:
       params = {**params, matvec.HEAD_KEY: self._split(params["lm_head"]["kernel"])}
     if self.stream_plan is not None:
-      params = {**params, steps.STREAM_KEY: self.stream_plan}
+      params = {**params, steps.STREAM_KEY: self.stream_plan,
+                steps.LAYOUT_KEY: self._lay_out(params)}
     return params
 
   def update(self, params) -> None:

@@ -48,6 +48,7 @@ from glm5_jax.nn import mtp as mtp_lib
 from glm5_jax.nn import params as params_lib
 
 STREAM_KEY = "stream_layers"   # served parameters: the streamed weights' layer indices
+LAYOUT_KEY = "stream_laid_out"  # and the copies of some in nn.params.SERVED_LAYOUTS' layouts
 
 
 UNSTACKED = ("mtp", "lm_head")   # streamed parts applied as modules of their own
@@ -57,11 +58,12 @@ def streamed(params, part: str):
   """The variable collections that stream the weights of `params[part]` ("layers": the
   decoder stacks; "mtp"; "lm_head") the engine serves streamed (`params[STREAM_KEY]`,
   placement.py `stream_plan`), paths relative to the module applied; {} if none."""
-  plan = params.get(STREAM_KEY, {})
+  plan, laid = params.get(STREAM_KEY, {}), params.get(LAYOUT_KEY, {})
   if part in UNSTACKED:
-    return params_lib.stream_collections(params[part], plan[part]) if part in plan else {}
+    return (params_lib.stream_collections(params[part], plan[part], laid.get(part))
+            if part in plan else {})
   layers = {k: v for k, v in plan.items() if k not in UNSTACKED}
-  return params_lib.stream_collections(params, layers) if layers else {}
+  return params_lib.stream_collections(params, layers, laid) if layers else {}
 
 
 _INT_FIELDS = ("tok", "pos", "active", "n_gen", "budget", "seed", "req", "top_k")

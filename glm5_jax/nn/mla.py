@@ -178,6 +178,7 @@ class MLA(nn.Module):
     w_uk = P.param(self, "w_uk", init, (c, h, n), ("kv_lora", "heads", "qk_nope_head_dim"), pd)
     w_uv = P.param(self, "w_uv", init, (c, h, v), ("kv_lora", "heads", "v_head_dim"), pd)
     wo = P.param(self, "wo", init, (h, v, d), ("heads", "v_head_dim", "embed"), pd)
+    w_uk, w_uv = P.laid_out(self, "w_uk", w_uk), P.laid_out(self, "w_uv", w_uv)
     wq_b, w_uk, w_uv = wq_b.astype(dt), w_uk.astype(dt), w_uv.astype(dt)
 
     x = x_btd.astype(dt)

@@ -87,13 +87,34 @@ def dense(module: nn.Module, name: str, x, w, preferred_element_type=None,
   return jnp.tensordot(x, w, n, preferred_element_type=preferred_element_type)
 
 
-def stream_collections(params, layers):
-  """The two collections of a streamed forward (`dense`): `layers` is a subtree of `params`'
-  paths whose leaves are the streamed weights' layer indices (int32 [R], or [] for an
-  unstacked weight); STREAM_W gets `params`' weights at those paths (the same arrays)."""
+# Weights whose products XLA reads in another layout, transposing them out of their layer
+# stack every step (MLA's absorbed per-head products, nn/mla.py), and that layout (axes of
+# the weight): an engine serves a copy so laid out (`laid_out`).
+SERVED_LAYOUTS = {"w_uk": (1, 0, 2), "w_uv": (1, 2, 0)}
+
+
+def laid_out(module: nn.Module, name: str, w):
+  """w; where the forward streams `module.<name>` (STREAM_W then holds its copy in
+  SERVED_LAYOUTS[name]'s layout), that copy at the layer, transposed back: the same numbers,
+  and XLA cancels the transpose against its own, so the step reads the copy in place."""
+  if not module.has_variable(STREAM_W, name):
+    return w
+  stack = module.get_variable(STREAM_W, name)
+  copy = stack[module.get_variable(STREAM_LAYER, name)] if stack.ndim == w.ndim + 1 else stack
+  return jnp.transpose(copy, np.argsort(SERVED_LAYOUTS[name]))
+
+
+def stream_collections(params, layers, laid=None):
+  """The two collections of a streamed forward (`dense`, `laid_out`): `layers` is a subtree
+  of `params`' paths whose leaves are the streamed weights' layer indices (int32 [R], or []
+  for an unstacked weight); STREAM_W gets the weights at those paths: `laid`'s (the copies
+  in SERVED_LAYOUTS' layouts) where it has one, else `params`' (the same arrays)."""
   def weight(path, _):
-    node = params
-    for p in path:
-      node = node[p.key]
-    return node
+    for tree in (laid or {}, params):
+      node = tree
+      for p in path:
+        node = node.get(p.key) if isinstance(node, dict) else None
+      if node is not None:
+        return node
+    raise KeyError(f"stream_collections: no weight at {jax.tree_util.keystr(path)}")
   return {STREAM_W: jax.tree_util.tree_map_with_path(weight, layers), STREAM_LAYER: layers}
