@@ -146,3 +146,26 @@ def test_streamed_engines_keep_the_engines_bits(streamed_engines, speculative, r
     for a, b in zip(outs[False], outs[True]):
       assert a.token_ids == b.token_ids
       np.testing.assert_array_equal(a.logprobs, b.logprobs)
+
+
+def test_a_weight_update_reaches_the_streamed_and_laid_out_weights(streamed_engines, rng):
+  """update_params on the streamed engine and on the one without: the same tokens and
+  log-probs again (the laid-out copies are made anew from the new weights), and different
+  ones than before the update."""
+  cfg = config_lib.get_preset("tiny")
+  new = gnn.init_params(cfg, 1)
+  prompt = [rng.integers(0, 256, 9).tolist()]
+  sp = SamplingParams(max_new_tokens=5, seed=4)
+  engines = {s: streamed_engines(True, s) for s in (False, True)}
+  before = engines[True].generate(prompt, sp)[0]
+  try:
+    for s, e in engines.items():
+      e.update_params(new, version=1)
+    a, b = (engines[s].generate(prompt, sp)[0] for s in (False, True))
+    assert a.token_ids == b.token_ids
+    np.testing.assert_array_equal(a.logprobs, b.logprobs)
+    assert not np.array_equal(b.logprobs, before.logprobs)
+  finally:
+    for e in engines.values():
+      e.update_params(gnn.init_params(cfg, 0), version=2)
+
