@@ -17,6 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import traverse_util
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from glm5_jax import nn as gnn
@@ -95,7 +96,7 @@ def stream_plan(cfg, served, mesh):
   if (mesh is not None or jax.devices()[0].platform != "cpu"
       or jnp.dtype(cfg.dtype) != jnp.float32 or not stream_matmul.available()):
     return None
-  plan = {}
+  plan = {}                                  # flat: path (keys) -> layer indices
   roots = layer_stack.STACK_NAMES + ("mtp",)
   for path, leaf in jax.tree_util.tree_leaves_with_path(
       {k: v for k, v in served.items() if k in roots}):
@@ -109,39 +110,29 @@ def stream_plan(cfg, served, mesh):
     if ((n is None and not laid) or leaf.dtype != jnp.float32
         or np.prod(shape) * 4 < STREAM_MIN_BYTES):
       continue
-    k = int(np.prod(shape[:n or 0]))
-    if not laid and stream_matmul.kc(k, int(np.prod(shape)) // k) is None:
-      continue
-    node = plan
-    for key in keys[:-1]:
-      node = node.setdefault(key, {})
-    node[keys[-1]] = (np.arange(leaf.shape[0], dtype=np.int32) if stacked
-                      else np.zeros((), np.int32))
+    if not laid:
+      k = int(np.prod(shape[:n]))
+      if stream_matmul.kc(k, int(np.prod(shape)) // k) is None:
+        continue
+    plan[keys] = (np.arange(leaf.shape[0], dtype=np.int32) if stacked
+                  else np.zeros((), np.int32))
   head = served["lm_head"]["kernel"]
   if (head.dtype == jnp.float32 and head.size * 4 >= STREAM_MIN_BYTES
       and stream_matmul.kc(*head.shape) is not None):
-    plan["lm_head"] = {"kernel": np.zeros((), np.int32)}
-  return plan or None
+    plan["lm_head", "kernel"] = np.zeros((), np.int32)
+  return traverse_util.unflatten_dict(plan) if plan else None
 
 
 def laid_out_copies(plan, params):
   """The copies of the planned weights that nn.params.SERVED_LAYOUTS lists, in its layouts
   (a stack's layer axis first): the served tree's `steps.LAYOUT_KEY` entry."""
-  out = {}
-  for path, layers in jax.tree_util.tree_leaves_with_path(plan):
-    keys = [p.key for p in path]
-    if keys[-1] not in params_lib.SERVED_LAYOUTS:
-      continue
-    leaf = params
-    for key in keys:
-      leaf = leaf[key]
+  weights = traverse_util.flatten_dict(params)
+  def copy(keys, layers):
     axes = params_lib.SERVED_LAYOUTS[keys[-1]]
-    axes = (0, *(a + 1 for a in axes)) if np.ndim(layers) else axes
-    node = out
-    for key in keys[:-1]:
-      node = node.setdefault(key, {})
-    node[keys[-1]] = jnp.transpose(leaf, axes)
-  return out
+    return jnp.transpose(weights[keys], (0, *(a + 1 for a in axes)) if np.ndim(layers) else axes)
+  return traverse_util.unflatten_dict({
+      keys: copy(keys, layers) for keys, layers in traverse_util.flatten_dict(plan).items()
+      if keys[-1] in params_lib.SERVED_LAYOUTS})
 
 
 class Served:
