@@ -8,7 +8,9 @@
 // work item per column chunk (its k-blocks in order) or, with few chunks, per chunk and
 // k-block (the blocks' sums added in order at the end); more rows (prefill): register
 // tiles over column chunks. Work items go to the calling thread and XLA's intra-op thread
-// pool. See glm5_jax/stream_matmul.py.
+// pool. A second entry point multiplies groups of rows each by its own matrix of a stack
+// (the routed experts' blocks of a step, one call for all of them). See
+// glm5_jax/stream_matmul.py.
 
 #include <algorithm>
 #include <atomic>
@@ -158,10 +160,13 @@ constexpr int kPass = 8;         // rows of w per pass over the sums
 constexpr int kAheadRows = 16;   // prefetch distance, rows of w
 
 // One pass: rows [k, k + kPass) of w (columns [c0, c0 + w_cols)) into the sums of U rows of
-// x; kFirst: this group is the pass's first, so it reads w from memory and prefetches.
-template <int U, bool kFirst>
+// x, and the prefetch of rows [pf_lo, pf_hi) of the pass kAheadRows / kPass passes ahead:
+// each group of a pass prefetches its share, so the prefetches spread over the whole pass
+// (all in its first group, they wait on each other: a 16-row [512, 512] matmul from memory,
+// one thread, 33 -> 37 G multiply-adds per second).
+template <int U>
 inline void Pass(const Problem& p, const float* const* xr, float* acc, int64_t w_cols,
-                 int64_t c0, int64_t k) {
+                 int64_t c0, int64_t k, int pf_lo, int pf_hi) {
   const int64_t vec_cols = w_cols / kLanes * kLanes, N = p.N;
   const float* wr = p.w + k * N + c0;
   vec xb[U][kPass];
@@ -169,10 +174,8 @@ inline void Pass(const Problem& p, const float* const* xr, float* acc, int64_t w
     for (int j = 0; j < kPass; ++j) xb[u][j] = vset1(xr[u][k + j]);
   for (int64_t n = 0; n < vec_cols; n += kLanes) {
     vec wv[kPass];
-    for (int j = 0; j < kPass; ++j) {
-      if constexpr (kFirst) __builtin_prefetch(wr + (kAheadRows + j) * N + n, 0, 2);
-      wv[j] = vload(wr + j * N + n);
-    }
+    for (int j = 0; j < kPass; ++j) wv[j] = vload(wr + j * N + n);
+    for (int j = pf_lo; j < pf_hi; ++j) __builtin_prefetch(wr + (kAheadRows + j) * N + n, 0, 2);
     for (int u = 0; u < U; ++u) {
       vec a = vload(acc + u * w_cols + n);
       for (int j = 0; j < kPass; ++j) a = vfma(xb[u][j], wv[j], a);
@@ -185,20 +188,19 @@ inline void Pass(const Problem& p, const float* const* xr, float* acc, int64_t w
         acc[u * w_cols + n] = std::fma(xr[u][k + j], wr[j * N + n], acc[u * w_cols + n]);
 }
 
-template <bool kFirst>
 inline void PassGroup(const Problem& p, const float* const* xr, int n_rows, float* acc,
-                      int64_t w_cols, int64_t c0, int64_t k) {
+                      int64_t w_cols, int64_t c0, int64_t k, int pf_lo, int pf_hi) {
   switch (n_rows) {
-    case 1: return Pass<1, kFirst>(p, xr, acc, w_cols, c0, k);
-    case 2: return Pass<2, kFirst>(p, xr, acc, w_cols, c0, k);
-    case 3: return Pass<3, kFirst>(p, xr, acc, w_cols, c0, k);
-    default: return Pass<4, kFirst>(p, xr, acc, w_cols, c0, k);
+    case 1: return Pass<1>(p, xr, acc, w_cols, c0, k, pf_lo, pf_hi);
+    case 2: return Pass<2>(p, xr, acc, w_cols, c0, k, pf_lo, pf_hi);
+    case 3: return Pass<3>(p, xr, acc, w_cols, c0, k, pf_lo, pf_hi);
+    default: return Pass<4>(p, xr, acc, w_cols, c0, k, pf_lo, pf_hi);
   }
 }
 
 // Columns [c0, c1) of k-block `block`'s sums, from zero, into p.partial[block], or (no
 // p.partial: the caller runs the blocks in order) added to y: each pass's rows of w come
-// from memory for the first group of 4 rows of x and from L1 for the others.
+// from L2 (prefetched) for the first group of 4 rows of x and from L1 for the others.
 void RowStream(const Problem& p, int64_t c0, int64_t c1, int64_t block) {
   const int64_t u_all = static_cast<int64_t>(p.rows.size());
   const int64_t w_cols = c1 - c0;
@@ -209,11 +211,13 @@ void RowStream(const Problem& p, int64_t c0, int64_t c1, int64_t block) {
   for (int64_t u = 0; u < u_all; ++u) xr[u] = p.x + p.rows[u] * p.K;
   const int64_t k0 = block * p.kc, k1 = std::min(p.K, k0 + p.kc);
   int64_t k = k0;
+  const int64_t n_groups = (u_all + 3) / 4;
   for (; k + kPass <= k1; k += kPass)
-    for (int64_t g = 0; g < u_all; g += 4) {
-      const int n_rows = static_cast<int>(std::min<int64_t>(4, u_all - g));
-      if (g == 0) PassGroup<true>(p, xr.data(), n_rows, acc, w_cols, c0, k);
-      else PassGroup<false>(p, xr.data() + g, n_rows, acc + g * w_cols, w_cols, c0, k);
+    for (int64_t gi = 0; gi < n_groups; ++gi) {
+      const int64_t g = 4 * gi;
+      PassGroup(p, xr.data() + g, static_cast<int>(std::min<int64_t>(4, u_all - g)),
+                acc + g * w_cols, w_cols, c0, k, static_cast<int>(gi * kPass / n_groups),
+                static_cast<int>((gi + 1) * kPass / n_groups));
     }
   for (; k < k1; ++k) {
     const float* wr = p.w + k * p.N + c0;
@@ -263,6 +267,48 @@ void Work(Shared& s) {
   }
 }
 
+// The distinct rows of x [M, K] into p.rows (y's rows among them zeroed); returns, for each
+// row equal to an earlier one, that row's index (else -1).
+std::vector<int64_t> Distinct(Problem& p, int64_t M) {
+  std::vector<int64_t> copy_of(M, -1);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t u : p.rows)
+      if (std::memcmp(p.x + m * p.K, p.x + u * p.K, sizeof(float) * p.K) == 0) {
+        copy_of[m] = u;
+        break;
+      }
+    if (copy_of[m] < 0) p.rows.push_back(m);
+  }
+  for (int64_t u : p.rows) std::memset(p.y + u * p.N, 0, sizeof(float) * p.N);
+  return copy_of;
+}
+
+// Each repeated row of y copied from the row it repeats.
+void Mirror(const Problem& p, const std::vector<int64_t>& copy_of) {
+  for (int64_t m = 0; m < static_cast<int64_t>(copy_of.size()); ++m)
+    if (copy_of[m] >= 0)
+      std::memcpy(p.y + m * p.N, p.y + copy_of[m] * p.N, sizeof(float) * p.N);
+}
+
+// The register-tile routine and its width (columns) for `distinct_rows` rows.
+ColumnsFn TileFn(int64_t distinct_rows, int64_t* width) {
+  const int vecs = TileVectors(distinct_rows);
+  *width = vecs * kLanes;
+  return vecs == 16 ? &Columns<16> : vecs == 8 ? &Columns<8> : vecs == 4 ? &Columns<4>
+                                                                          : &Columns<2>;
+}
+
+// `work` on the calling thread and on up to threads - 1 of the pool's, until `done` counts
+// every item.
+template <typename F>
+void RunPool(ffi::ThreadPool& pool, int64_t threads, int64_t n_items, F work,
+             const std::atomic<int64_t>& done) {
+  const int64_t helpers = std::min(threads, n_items) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(F(work));
+  work();
+  while (done.load(std::memory_order_acquire) < n_items) std::this_thread::yield();
+}
+
 ffi::Error StreamMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                             ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> layer,
                             ffi::ResultBuffer<ffi::F32> y, int64_t kc) {
@@ -282,16 +328,7 @@ ffi::Error StreamMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   p.w = w.typed_data() + l * K * N;
   p.y = y->typed_data();
   p.K = K, p.N = N, p.kc = kc;
-  std::vector<int64_t> copy_of(M, -1);  // a row equal to an earlier one: that row's index
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t u : p.rows)
-      if (std::memcmp(p.x + m * K, p.x + u * K, sizeof(float) * K) == 0) {
-        copy_of[m] = u;
-        break;
-      }
-    if (copy_of[m] < 0) p.rows.push_back(m);
-  }
-  for (int64_t u : p.rows) std::memset(p.y + u * N, 0, sizeof(float) * N);
+  const std::vector<int64_t> copy_of = Distinct(p, M);
 
   const int64_t u = static_cast<int64_t>(p.rows.size());
   const int64_t threads =
@@ -315,18 +352,13 @@ ffi::Error StreamMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       p.partial = s->partial.data();
     }
   } else {
-    const int vecs = TileVectors(u);
-    const int64_t width = vecs * kLanes;
-    s->fn = vecs == 16 ? &Columns<16> : vecs == 8 ? &Columns<8> : vecs == 4 ? &Columns<4>
-                                                                             : &Columns<2>;
+    int64_t width;
+    s->fn = TileFn(u, &width);
     const int64_t tiles = (N + width - 1) / width;
     s->chunk = std::max<int64_t>(1, tiles / (4 * threads)) * width;
     s->n_chunks = s->n_items = (N + s->chunk - 1) / s->chunk;
   }
-  const int64_t helpers = std::min(threads, s->n_items) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([s] { Work(*s); });
-  Work(*s);
-  while (s->done.load(std::memory_order_acquire) < s->n_items) std::this_thread::yield();
+  RunPool(pool, threads, s->n_items, [s] { Work(*s); }, s->done);
   if (p.partial)  // y = ((0 + block 0) + block 1) + ...: Eigen's order
     for (int64_t b = 0; b < blocks; ++b)
       for (int64_t r = 0; r < u; ++r) {
@@ -334,10 +366,91 @@ ffi::Error StreamMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
         const float* pr = p.partial + (b * u + r) * N;
         for (int64_t n = 0; n < N; ++n) yr[n] += pr[n];
       }
+  Mirror(p, copy_of);
+  return ffi::Error::Success();
+}
 
-  for (int64_t m = 0; m < M; ++m)
-    if (copy_of[m] >= 0)
-      std::memcpy(p.y + m * N, p.y + copy_of[m] * N, sizeof(float) * N);
+// Groups: y[g] = x[g] @ w[index[g]] for g < count (x: [G, B, K], w: [R, K, N]), each group
+// as StreamMatmulImpl computes it (the same bits), y[g] = 0 past count; one work list over
+// every group's column chunks, so the threads stream one matrix after another without a
+// call, and a wake-up, per matrix. An item is a column chunk of one group over its k-blocks
+// in order (whole rows of w up to 4 distinct rows of x: a matrix of `small`'s experts).
+struct Grouped {
+  struct Item {
+    int64_t g, c0, c1;
+  };
+  std::vector<Problem> p;
+  std::vector<ColumnsFn> fn;   // per group: tiles, or null (rows streamed)
+  std::vector<Item> items;
+  int64_t blocks = 0;
+  std::atomic<int64_t> next{0}, done{0};
+};
+
+void WorkGrouped(Grouped& s) {
+  const int64_t n_items = static_cast<int64_t>(s.items.size());
+  for (int64_t i; (i = s.next.fetch_add(1)) < n_items;) {
+    const Grouped::Item& it = s.items[i];
+    const Problem& p = s.p[it.g];
+    if (s.fn[it.g]) s.fn[it.g](p, it.c0, it.c1);
+    else for (int64_t b = 0; b < s.blocks; ++b) RowStream(p, it.c0, it.c1, b);
+    s.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                             ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> index,
+                             ffi::Buffer<ffi::S32> count, ffi::ResultBuffer<ffi::F32> y,
+                             int64_t kc) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), id = index.dimensions();
+  if (xd.size() != 3 || wd.size() != 3 || xd[2] != wd[1] || id.size() != 1 || id[0] != xd[0])
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "stream_grouped_matmul: x must be [G, B, K], w [R, K, N], index [G]");
+  const int64_t G = xd[0], B = xd[1], K = xd[2], N = wd[2];
+  const int64_t used = count.typed_data()[0];
+  if (used < 0 || used > G)
+    return ffi::Error(ffi::ErrorCode::kOutOfRange, "stream_grouped_matmul: count not in [0, G]");
+  if (kc <= 0)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "stream_grouped_matmul: kc <= 0");
+  for (int64_t g = 0; g < used; ++g)
+    if (index.typed_data()[g] < 0 || index.typed_data()[g] >= wd[0])
+      return ffi::Error(ffi::ErrorCode::kOutOfRange, "stream_grouped_matmul: index out of range");
+  float* y_all = y->typed_data();
+  std::memset(y_all + used * B * N, 0, sizeof(float) * (G - used) * B * N);
+  if (used == 0) return ffi::Error::Success();
+
+  auto s = std::make_shared<Grouped>();
+  s->p.resize(used);
+  s->fn.assign(used, nullptr);
+  s->blocks = (K + kc - 1) / kc;
+  std::vector<std::vector<int64_t>> copy_of(used);
+  const int64_t threads =
+      used * K * N * 4 < kMinSplit ? 1 : std::max<int64_t>(1, pool.num_threads());
+  const int64_t per_group = (2 * threads + used - 1) / used;   // items a group needs
+  for (int64_t g = 0; g < used; ++g) {
+    Problem& p = s->p[g];
+    p.x = x.typed_data() + g * B * K;
+    p.w = w.typed_data() + index.typed_data()[g] * K * N;
+    p.y = y_all + g * B * N;
+    p.K = K, p.N = N, p.kc = kc;
+    copy_of[g] = Distinct(p, B);
+    const int64_t u = static_cast<int64_t>(p.rows.size());
+    int64_t chunk;
+    if (u <= kRowStreamMax) {
+      const int64_t width = (N + per_group - 1) / per_group;
+      chunk = std::min<int64_t>(u > kWideRows ? 256 : 2048,
+                                (width + kLanes - 1) / kLanes * kLanes);
+    } else {
+      int64_t width;
+      s->fn[g] = TileFn(u, &width);
+      const int64_t tiles = (N + width - 1) / width;
+      chunk = std::max<int64_t>(1, tiles / (2 * per_group)) * width;
+    }
+    for (int64_t c0 = 0; c0 < N; c0 += chunk)
+      s->items.push_back({g, c0, std::min(N, c0 + chunk)});
+  }
+  RunPool(pool, threads, static_cast<int64_t>(s->items.size()), [s] { WorkGrouped(*s); },
+          s->done);
+  for (int64_t g = 0; g < used; ++g) Mirror(s->p[g], copy_of[g]);
   return ffi::Error::Success();
 }
 
@@ -348,6 +461,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5StreamMatmul, StreamMatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("kc"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5StreamGroupedMatmul, GroupedMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("kc"));

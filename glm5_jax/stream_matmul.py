@@ -12,6 +12,9 @@ each output a fused multiply-add chain in Eigen's order: within each block of `k
 k (Eigen's blocking), k ascending from zero, the blocks' sums added to the result one after
 another (`inference/matvec.py` measured that order). Equal rows of x are computed once, so
 a lone request's mirrored lanes cost one row. XLA's intra-op threads share its columns.
+`grouped_matmul` runs many such products in one call, each group of rows by its own layer
+of the stack (a step's expert blocks): the threads go from one matrix to the next without
+a call, and a wake-up of the pool, per matrix.
 
 Eigen picks `kc` from the CPU's caches and the shape, so nothing here assumes it: `kc(k, n)`
 tries the candidates of Eigen's rule (`candidates`) on seeded data against XLA's own matmul
@@ -41,6 +44,7 @@ import numpy as np
 
 SOURCE = pathlib.Path(__file__).with_name("stream_matmul.cc")
 TARGET = "glm5_stream_matmul"
+GROUPED_TARGET = "glm5_stream_grouped_matmul"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-ffp-contract=off", "-shared", "-fPIC")
 KMAX_CANDIDATES = (320, 384, 256, 512, 192, 128)   # Eigen's largest kc, most likely first
 PROBE_ROWS = (8, 256)     # XLA matmuls the kernel must equal: the engine's, the trainer's
@@ -109,25 +113,51 @@ def available() -> bool:
     return False
   jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.Glm5StreamMatmul),
                               platform="cpu")
+  jax.ffi.register_ffi_target(GROUPED_TARGET, jax.ffi.pycapsule(lib.Glm5StreamGroupedMatmul),
+                              platform="cpu")
   return True
+
+
+def _checked_kc(x, w_rkn, kc: int | None) -> int:
+  """`kc` for x [..., K] times w [R, K, N] (None: `kc(K, N)`, which must find one)."""
+  k = x.shape[-1]
+  if w_rkn.ndim != 3 or w_rkn.shape[1] != k:
+    raise ValueError(f"stream_matmul: x {x.shape} needs w [R, {k}, N], got {w_rkn.shape}")
+  if x.dtype != jnp.float32 or w_rkn.dtype != jnp.float32:
+    raise ValueError(f"stream_matmul: float32 only, got x {x.dtype}, w {w_rkn.dtype}")
+  if kc is None:
+    kc = _block_size(k, w_rkn.shape[2])
+    if kc is None:
+      raise ValueError(f"stream_matmul: no block size matches XLA's matmul at [{k}, "
+                       f"{w_rkn.shape[2]}] here (inference/placement.py stream_plan checks it)")
+  return kc
 
 
 def matmul(x_mk, w_rkn, layer, kc: int | None = None):
   """float32 x [M, K] @ w[layer] [K, N] (w: [R, K, N], layer: int32 []) in Eigen's order
   with blocks of `kc` (module docstring; None: `kc(K, N)`, which must find one). Needs
   `available()`."""
-  m, k = x_mk.shape
-  if w_rkn.ndim != 3 or w_rkn.shape[1] != k:
-    raise ValueError(f"stream_matmul: x {x_mk.shape} needs w [R, {k}, N], got {w_rkn.shape}")
-  if x_mk.dtype != jnp.float32 or w_rkn.dtype != jnp.float32:
-    raise ValueError(f"stream_matmul: float32 only, got x {x_mk.dtype}, w {w_rkn.dtype}")
-  if kc is None:
-    kc = _block_size(k, w_rkn.shape[2])
-    if kc is None:
-      raise ValueError(f"stream_matmul: no block size matches XLA's matmul at [{k}, "
-                       f"{w_rkn.shape[2]}] here (inference/placement.py stream_plan checks it)")
-  call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((m, w_rkn.shape[2]), jnp.float32))
+  if x_mk.ndim != 2:
+    raise ValueError(f"stream_matmul: x must be [M, K], got {x_mk.shape}")
+  kc = _checked_kc(x_mk, w_rkn, kc)
+  call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x_mk.shape[0], w_rkn.shape[2]),
+                                                       jnp.float32))
   return call(x_mk, w_rkn, jnp.asarray(layer, jnp.int32), kc=np.int64(kc))
+
+
+def grouped_matmul(x_gbk, w_rkn, index_g, count, kc: int | None = None):
+  """y [G, B, N]: y[g] = `matmul(x[g], w_rkn, index_g[g])` (the same bits) for g < count,
+  zero past it (count: int32 [], in [0, G]; index_g: int32 [G]). One call for a step's
+  expert blocks (`nn/ffn.py` `looped_swiglu`): the threads stream one matrix after another,
+  with no call, and no wake-up of the pool, per matrix. Needs `available()`."""
+  if x_gbk.ndim != 3 or index_g.shape != x_gbk.shape[:1]:
+    raise ValueError(f"stream_grouped_matmul: x must be [G, B, K] and index [G], got x "
+                     f"{x_gbk.shape}, index {index_g.shape}")
+  kc = _checked_kc(x_gbk, w_rkn, kc)
+  call = jax.ffi.ffi_call(GROUPED_TARGET,
+                          jax.ShapeDtypeStruct((*x_gbk.shape[:2], w_rkn.shape[2]), jnp.float32))
+  return call(x_gbk, w_rkn, index_g.astype(jnp.int32), jnp.asarray(count, jnp.int32),
+              kc=np.int64(kc))
 
 
 @functools.lru_cache(maxsize=None)

@@ -56,6 +56,31 @@ def test_matmul_equals_xlas_matmul_bitwise(k, n, rows, rng):
                                   _xla_rows(x, w[layer]))
 
 
+@pytest.mark.parametrize("k,n,b,used", [(512, 256, 8, 5), (256, 512, 8, 1), (64, 40, 80, 2),
+                                         (300, 72, 16, 0)])
+def test_grouped_matmul_is_each_groups_matmul_bitwise(k, n, b, used, rng):
+  """Each group in use equals `matmul` of its rows by its matrix (rows streamed, or register
+  tiles at 80 rows; a group padded with zero rows, one with mirrored rows); groups past
+  `count` are zero, whatever their (out-of-range) index."""
+  kc = stream_matmul.kc(k, n)
+  if kc is None:
+    pytest.skip(f"no block size of Eigen's rule matched XLA's matmul at [{k}, {n}] here")
+  g = 6
+  w = jnp.asarray(rng.standard_normal((4, k, n), np.float32) / np.sqrt(k))
+  x = rng.standard_normal((g, b, k), np.float32)
+  x[0, 3:] = 0.0                                           # an expert block's padding
+  x[1, 1:] = x[1, :1]                                      # a lone lane mirrored
+  index = rng.integers(0, 4, g).astype(np.int32)
+  index[used:] = 99
+  run = jax.jit(stream_matmul.grouped_matmul, static_argnames="kc")
+  got = np.asarray(run(jnp.asarray(x), w, jnp.asarray(index), jnp.int32(used), kc=kc))
+  one = jax.jit(stream_matmul.matmul, static_argnames="kc")
+  for j in range(g):
+    want = (np.asarray(one(jnp.asarray(x[j]), w, jnp.int32(index[j]), kc=kc)) if j < used
+            else np.zeros((b, n), np.float32))
+    np.testing.assert_array_equal(got[j], want)
+
+
 def test_rows_below_the_invariant_count_get_the_big_matmuls_bits(rng):
   """3 rows alone: XLA's own matmul of 3 rows may sum in another order; the kernel gives each
   row its 8-row (the trainer's) bits whatever the row count."""
@@ -85,6 +110,9 @@ def test_bad_operands_name_the_problem():
   with pytest.raises(ValueError, match="float32 only"):
     stream_matmul.matmul(x.astype(jnp.bfloat16), jnp.zeros((1, 64, 32), jnp.bfloat16), 0,
                          kc=64)
+  with pytest.raises(ValueError, match=r"x must be \[G, B, K\] and index \[G\]"):
+    stream_matmul.grouped_matmul(x[None], jnp.zeros((1, 64, 32), jnp.float32),
+                                 jnp.zeros((2,), jnp.int32), 1, kc=64)
 
 
 def test_laid_out_copies_are_the_planned_weights_in_their_served_layouts(rng):

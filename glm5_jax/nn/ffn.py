@@ -175,9 +175,11 @@ def looped_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid, la
   with the repeat's index, nn/layer_stack.py): each block then reads its expert's matrices
   out of the stack; a stack sliced per layer outside the loop would be copied whole, every
   layer and step, before the loop could start.
-  stream: the three matmuls read the expert's matrices straight from the (stacked) weights
-  with the streamed CPU kernel (glm5_jax/stream_matmul.py: the same bits, no copy, a block's
-  mirrored rows computed once); float32 weights only (the engine's `stream_plan`).
+  stream: no loop; each of the three matmuls is one call of the streamed CPU kernel over
+  every block in use (glm5_jax/stream_matmul.py `grouped_matmul`: the same bits, each
+  block's expert matrix read straight from the (stacked) weights, no copy, a block's
+  mirrored rows computed once, the blocks' matrices streamed one after another with no call
+  per block); float32 weights only (the engine's `stream_plan`).
   """
   n, k = ids_nk.shape
   e, d = w_gate_edi.shape[-3], x_nd.shape[1]
@@ -185,20 +187,23 @@ def looped_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid, la
   nb = blocked_rows(n * k, e, smallest=8) // b
   xs, row, order, token_of, sizes, block_expert, used = _blocks(x_nd, ids_nk, e, b, nb)
 
+  if stream:   # one call per matrix kind, its blocks in use streamed one after another
+    at = block_expert if layer is None else layer * e + block_expert
+    matmul = lambda x, w: stream_matmul.grouped_matmul(x, w.reshape(-1, *w.shape[-2:]), at,
+                                                       used)
+    h = jax.nn.silu(matmul(xs, w_gate_edi)) * matmul(xs, w_up_edi)
+    ys = matmul(h, w_down_eid)
+    return _combine(x_nd, ys.reshape(nb * b, d), row, order, token_of, weights_nk), sizes
+
   def expert(w, i):
     at = (i,) if layer is None else (layer, i)
     return quant.materialize(jax.tree.map(lambda a: a[at], w), x_nd.dtype)
 
-  def matmul(x, w, i):
-    if not stream:
-      return jnp.einsum("sd,di->si", x, expert(w, i))
-    at = i if layer is None else layer * e + i
-    return stream_matmul.matmul(x, w.reshape(-1, *w.shape[-2:]), at)
-
   def block(j, ys):
     x, i = xs[j], block_expert[j]
-    h = jax.nn.silu(matmul(x, w_gate_edi, i)) * matmul(x, w_up_edi, i)
-    return ys.at[j].set(matmul(h, w_down_eid, i))
+    h = (jax.nn.silu(jnp.einsum("sd,di->si", x, expert(w_gate_edi, i)))
+         * jnp.einsum("sd,di->si", x, expert(w_up_edi, i)))
+    return ys.at[j].set(jnp.einsum("si,id->sd", h, expert(w_down_eid, i)))
 
   ys = jax.lax.fori_loop(0, used, block, jnp.zeros((nb, b, d), x_nd.dtype))
   return _combine(x_nd, ys.reshape(nb * b, d), row, order, token_of, weights_nk), sizes
