@@ -187,3 +187,21 @@ def test_random_scores_match_deterministic_topk(backend, rng):
   want = xla.deterministic_topk(jnp.asarray(scores), jnp.asarray(limit), topk,
                                 jnp.asarray(start))
   np.testing.assert_array_equal(got, np.asarray(want))
+
+
+def test_top_k_of_every_key_is_lax_top_k():
+  """k = the row length: `_top_k` takes k - 1 from top_k and the one index left, not XLA's
+  sort; the same values (bit for bit) and indices on every special row."""
+  x = jnp.asarray(SCORES.reshape(-1, SCORES.shape[-1]))
+  x = jnp.where(jnp.isnan(x), -jnp.inf, x)                   # deterministic_topk hides NaN
+  n = x.shape[-1]
+  got, want = xla._top_k(x, n), jax.lax.top_k(x, n)
+  np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+  np.testing.assert_array_equal(np.asarray(got[0]).view(np.int32),
+                                np.asarray(want[0]).view(np.int32))
+
+
+def test_deterministic_topk_over_every_key_is_the_python_sort():
+  s = SCORES.shape[-1]
+  got = xla.deterministic_topk(jnp.asarray(SCORES), jnp.asarray(LIMIT), s, jnp.asarray(START))
+  np.testing.assert_array_equal(np.asarray(got), _python_topk(SCORES, START, LIMIT, s))
