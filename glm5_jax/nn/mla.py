@@ -25,6 +25,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from glm5_jax import numerics
+from glm5_jax import sharding as shd
 from glm5_jax.nn import attention
 from glm5_jax.nn import context_parallel as cp
 from glm5_jax.nn import dsa
@@ -113,16 +115,22 @@ def absorb_query(q_nope, q_rope, w_uk):
   return jnp.concatenate([q_lat, q_rope.astype(q_lat.dtype)], axis=-1)
 
 
-def mla_absorbed_attention(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, mask_bts, scale):
-  """Absorbed (MQA) MLA attention with a dense mask; same result as the expanded form."""
-  q_abs = absorb_query(q_nope, q_rope, w_uk)
-  kv = jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], axis=-1)
+def absorbed_latent(q_abs, kv, c: int, mask_bts, scale):
+  """u [b, t, h, c]: MQA of absorbed queries over the latent rows kv = [c_kv | k_rope]
+  [b, s, c + p] with a dense mask (the absorbed form before W_UV)."""
   acc = jnp.promote_types(q_abs.dtype, jnp.float32)
   logits = jnp.einsum("bthd,bsd->bhts", q_abs, kv, preferred_element_type=acc) * scale
   logits = jnp.where(mask_bts[:, None], logits, -jnp.inf)
   # A query that sees no key (a padding row of a cached chunk) gets 0, not NaN.
   probs = jnp.where(jnp.any(mask_bts, -1)[:, None, :, None], jax.nn.softmax(logits, axis=-1), 0.)
-  u = jnp.einsum("bhts,bsc->bthc", probs.astype(c_kv.dtype), c_kv)
+  return jnp.einsum("bhts,bsc->bthc", probs.astype(kv.dtype), kv[..., :c])
+
+
+def mla_absorbed_attention(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, mask_bts, scale):
+  """Absorbed (MQA) MLA attention with a dense mask; same result as the expanded form."""
+  q_abs = absorb_query(q_nope, q_rope, w_uk)
+  kv = jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], axis=-1)
+  u = absorbed_latent(q_abs, kv, c_kv.shape[-1], mask_bts, scale)
   return jnp.einsum("bthc,chv->bthv", u, w_uv)
 
 
@@ -137,6 +145,61 @@ def mla_sparse_attention(cfg, q_nope, q_rope, kv, w_uk, w_uv, indices_btk):
       impl=cfg.attention_impl, interpret=None,
       chunk_size=cfg.attention_chunk_size)
   return jnp.einsum("bthc,chv->bthv", u, w_uv)
+
+
+def attend_cache(cfg, q_abs, q_i, w_i, doc_start, prev_indices, read_bs, limit_bt, kv_pool,
+                 k_idx_pool, layer):
+  """Absorbed queries over each sequence's view of the cache (nn/kv_cache.py), query i
+  seeing positions 0 .. limit[b, i]: (u [b, t, h, c], before W_UV; the top-k indices
+  [b, t, k] of sparse attention, or None). q_i, w_i: the indexer's queries and weights
+  (None on a "shared" layer, which reuses prev_indices)."""
+  kv = kv_cache.read(kv_pool, read_bs, layer).astype(q_abs.dtype)
+  c = cfg.kv_lora_rank
+  if cfg.attention_type == "dense":
+    # Few queries over a long cache: the absorbed (MQA) form reads the latent rows once.
+    mask_bts = jnp.arange(kv.shape[1])[None, None, :] <= limit_bt[..., None]
+    return absorbed_latent(q_abs, kv, c, mask_bts, cfg.softmax_scale), None
+  indices = prev_indices
+  if q_i is not None:
+    k_i = kv_cache.read(k_idx_pool, read_bs, layer)
+    indices = indexer_lib.select_topk(cfg, q_i, k_i, w_i, doc_start, limit_bt)
+  if indices is None:
+    raise ValueError("a 'shared' indexer layer needs the previous full layer's top-k")
+  u, _ = dsa.sparse_mla(q_abs, kv, indices, v_dim=c, scale=cfg.softmax_scale,
+                        impl=cfg.attention_impl, interpret=None,
+                        chunk_size=cfg.attention_chunk_size)
+  return u, indices
+
+
+def _lanes_alike(*xs):
+  """Whether every lane (row of axis 0) of each x equals lane 0, bit for bit."""
+  def alike(x):
+    if jnp.issubdtype(x.dtype, jnp.floating):
+      x = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+    return jnp.all(x == x[:1])
+  return jnp.all(jnp.stack([alike(x) for x in xs]))
+
+
+def mirrored_lanes(fn, lane_args, *shared):
+  """fn(*lane_args, *shared), whose outputs are [b, ...] per lane (axis 0 of every lane arg,
+  None allowed). In a call of at most `numerics.MIN_INVARIANT_ROWS` lanes (the lanes a lone
+  request is padded to) whose lanes' arguments all equal lane 0's bit for bit (its idle
+  lanes mirroring it: inference/steps.py `mirror_idle`), fn runs on lane 0 alone and its
+  outputs are broadcast: a lane's result never depends on the other lanes, so the bits are
+  the same, and a lone request's attention reads its cache once, not once per lane
+  (`small`, one request at 1K context: 17 -> 10 ms a decode step, docs/benchmarks.md).
+  Wider calls, and calls under a mesh (lanes sharded), run fn on every lane: the check's
+  conditional cost a 16-lane step at 1K context ~3 ms."""
+  present = [a for a in lane_args if a is not None]
+  b = present[0].shape[0]
+  if not 1 < b <= numerics.MIN_INVARIANT_ROWS or shd.active_mesh() is not None:
+    return fn(*lane_args, *shared)
+
+  def one():
+    out = fn(*(None if a is None else a[:1] for a in lane_args), *shared)
+    return jax.tree.map(lambda o: jnp.broadcast_to(o, (b,) + o.shape[1:]), out)
+
+  return jax.lax.cond(_lanes_alike(*present), one, lambda: fn(*lane_args, *shared))
 
 
 class MLA(nn.Module):
@@ -193,15 +256,11 @@ class MLA(nn.Module):
     k_rope = rope.apply_rope(ckv[..., c:], cos, sin, interleave=cfg.rope_interleave)
     # Keys: the compressed rows (latent + rope key), all of them, in natural order.
     kv = jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], axis=-1)
-    new_cache = None
     if cache is not None:
-      at = cache_index.layer
-      new_cache = {**cache, "kv": kv_cache.write(cache["kv"], kv, cache_index.write_bt, at)}
-      kv = kv_cache.read(new_cache["kv"], cache_index.read_bs, at).astype(kv.dtype)
-      limit = cache_index.limit_bt
-    else:
-      kv = cp.gather_keys(kv, order)
-      limit = None if order is None else jnp.broadcast_to(order, x.shape[:2])
+      return self._over_cache(x_btd, c_q, q_nope, q_rope, kv, w_uk, w_uv, wo, inputs,
+                              prev_indices, cache)
+    kv = cp.gather_keys(kv, order)
+    limit = None if order is None else jnp.broadcast_to(order, x.shape[:2])
     c_kv, k_rope = kv[..., :c], kv[..., c:]
     n_ctx = 1 if order is None else cp.size()
     if order is not None and doc_start is None:
@@ -215,23 +274,13 @@ class MLA(nn.Module):
     q_i = k_i = w_i = None
     if self.has_indexer:
       q_i, k_i, w_i = indexer_lib.Indexer(cfg, name="indexer")(x_btd, c_q, cos, sin)
-      if cache is not None:
-        new_cache["k_idx"] = kv_cache.write(cache["k_idx"], k_i, cache_index.write_bt, at)
-        k_i = kv_cache.read(new_cache["k_idx"], cache_index.read_bs, at)
-      else:
-        k_i = cp.gather_keys(k_i, order)
+      k_i = cp.gather_keys(k_i, order)
       self.sow("intermediates", "indexer_qkw", (q_i, k_i, w_i))   # for tests / analysis
       if cfg.attention_type == "sparse":
-        idx_limit = limit if cache is not None else order
         indices = local(lambda qi, wi, st, li, ki: indexer_lib.select_topk(
-            cfg, qi, ki, wi, st, li), (q_i, w_i, doc_start, idx_limit), (k_i,))
+            cfg, qi, ki, wi, st, li), (q_i, w_i, doc_start, order), (k_i,))
 
-    if cfg.attention_type == "dense" and cache is not None:
-      # Few queries over a long cache: the absorbed (MQA) form reads the latent rows once.
-      mask_bts = jnp.arange(kv.shape[1])[None, None, :] <= limit[..., None]
-      o = mla_absorbed_attention(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, mask_bts,
-                                 cfg.softmax_scale)
-    elif cfg.attention_type == "dense":
+    if cfg.attention_type == "dense":
       o = local(lambda qn, qr, st, li, *kw: mla_dense_attention(cfg, qn, qr, *kw, st, li),
                 (q_nope, q_rope, doc_start, limit), (c_kv, k_rope, w_uk, w_uv))
     else:
@@ -249,4 +298,24 @@ class MLA(nn.Module):
           qa, kv_, qi, ki, wi, scale=cfg.softmax_scale, indices=idx,
           chunk_size=cfg.attention_chunk_size, doc_start=st, limit=li),
                  (q_abs, q_i, w_i, doc_start, limit, indices), (kv, k_i))
-    return out, layer_io.LayerAux(indexer_kl=kl, topk_indices=indices), new_cache
+    return out, layer_io.LayerAux(indexer_kl=kl, topk_indices=indices), None
+
+  def _over_cache(self, x_btd, c_q, q_nope, q_rope, kv, w_uk, w_uv, wo, inputs, prev_indices,
+                  cache):
+    """The forward over a KV cache: the new rows written first, then `attend_cache` over
+    each sequence's view (once for a lone request's mirrored lanes: `mirrored_lanes`)."""
+    cfg, idx = self.cfg, inputs.cache_index
+    at = idx.layer
+    new_cache = {**cache, "kv": kv_cache.write(cache["kv"], kv, idx.write_bt, at)}
+    q_i = w_i = None
+    if self.has_indexer:
+      q_i, k_i, w_i = indexer_lib.Indexer(cfg, name="indexer")(x_btd, c_q, inputs.cos,
+                                                               inputs.sin)
+      new_cache["k_idx"] = kv_cache.write(cache["k_idx"], k_i, idx.write_bt, at)
+    q_abs = absorb_query(q_nope, q_rope, w_uk)
+    u, indices = mirrored_lanes(
+        lambda *lanes: attend_cache(cfg, *lanes, new_cache["kv"], new_cache.get("k_idx"), at),
+        (q_abs, q_i, w_i, inputs.doc_start, prev_indices, idx.read_bs, idx.limit_bt))
+    o = jnp.einsum("bthc,chv->bthv", u, w_uv)
+    out = P.dense(self, "wo", o, wo.astype(jnp.dtype(cfg.dtype)))
+    return out, layer_io.LayerAux(indexer_kl=None, topk_indices=indices), new_cache

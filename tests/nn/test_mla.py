@@ -45,3 +45,29 @@ def test_sparse_attention_equals_masked_expanded(rng, topk):
   mask = mla.topk_mask(idx, 9) & mla.causal_mask(9, 9)[None]
   want = mla.mla_expanded_attention(**x, mask_bts=mask, scale=cfg.softmax_scale)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_mirrored_lanes_runs_one_lane_when_every_lane_is_alike(rng):
+  """fn sees one lane when all 8 lanes are equal bit for bit (a lone request's mirrors), all
+  of them otherwise (a lane differs; a signed zero counts), and the outputs are the same."""
+  def fn(x, none, y):
+    assert none is None
+    return x * 2.0 + y[:, :1], jnp.full(x.shape[:1], x.shape[0])   # (out, lanes seen)
+  x = jnp.asarray(np.repeat(rng.normal(size=(1, 5)), 8, 0), jnp.float32).at[:, 0].set(0.0)
+  y = jnp.asarray(np.repeat(rng.normal(size=(1, 3)), 8, 0), jnp.float32)
+  run = jax.jit(lambda x, y: mla.mirrored_lanes(fn, (x, None, y)))
+  out, seen = run(x, y)
+  np.testing.assert_array_equal(out, fn(x, None, y)[0])
+  np.testing.assert_array_equal(seen, np.ones(8))
+  for other in (x.at[5, 2].add(1.0), x.at[3, 0].set(-0.0)):
+    out, seen = run(other, y)
+    np.testing.assert_array_equal(out, fn(other, None, y)[0])
+    np.testing.assert_array_equal(seen, np.full(8, 8))
+
+
+def test_mirrored_lanes_leaves_wide_calls_whole(rng):
+  """More lanes than a lone request is padded to: every lane runs, even when all alike."""
+  x = jnp.asarray(np.repeat(rng.normal(size=(1, 4)), 16, 0), jnp.float32)
+  seen = jax.jit(lambda x: mla.mirrored_lanes(lambda x: jnp.full(x.shape[:1], x.shape[0]),
+                                              (x,)))(x)
+  np.testing.assert_array_equal(seen, np.full(16, 16))
