@@ -180,9 +180,9 @@ def _lanes_alike(*xs):
   return jnp.all(jnp.stack([alike(x) for x in xs]))
 
 
-def mirrored_lanes(fn, lane_args, *shared):
-  """fn(*lane_args, *shared), whose outputs are [b, ...] per lane (axis 0 of every lane arg,
-  None allowed). In a call of at most `numerics.MIN_INVARIANT_ROWS` lanes (the lanes a lone
+def mirrored_lanes(fn, lane_args):
+  """fn(*lane_args), whose outputs are [b, ...] per lane (axis 0 of every lane arg, None
+  allowed). In a call of at most `numerics.MIN_INVARIANT_ROWS` lanes (the lanes a lone
   request is padded to) whose lanes' arguments all equal lane 0's bit for bit (its idle
   lanes mirroring it: inference/steps.py `mirror_idle`), fn runs on lane 0 alone and its
   outputs are broadcast: a lane's result never depends on the other lanes, so the bits are
@@ -193,13 +193,13 @@ def mirrored_lanes(fn, lane_args, *shared):
   present = [a for a in lane_args if a is not None]
   b = present[0].shape[0]
   if not 1 < b <= numerics.MIN_INVARIANT_ROWS or shd.active_mesh() is not None:
-    return fn(*lane_args, *shared)
+    return fn(*lane_args)
 
   def one():
-    out = fn(*(None if a is None else a[:1] for a in lane_args), *shared)
+    out = fn(*(None if a is None else a[:1] for a in lane_args))
     return jax.tree.map(lambda o: jnp.broadcast_to(o, (b,) + o.shape[1:]), out)
 
-  return jax.lax.cond(_lanes_alike(*present), one, lambda: fn(*lane_args, *shared))
+  return jax.lax.cond(_lanes_alike(*present), one, lambda: fn(*lane_args))
 
 
 class MLA(nn.Module):
@@ -224,11 +224,10 @@ class MLA(nn.Module):
     cache, inputs.cache_index: this layer's pool {'kv', 'k_idx'} (its stack's, [R, N, x],
     with `cache_index.layer` its entry) and where the new tokens go (nn/kv_cache.py). The
     new rows are written first; attention and the indexer then run over each sequence's
-    view of the pool, query i seeing positions 0 .. limit[b, i]. The third output is the
-    updated pool (None without a cache).
+    view of the pool, query i seeing positions 0 .. limit[b, i] (`_over_cache`). The third
+    output is the updated pool (None without a cache).
     """
     cos, sin, doc_start, order = inputs.cos, inputs.sin, inputs.doc_start, inputs.order
-    cache_index = inputs.cache_index
     cfg = self.cfg
     dt = jnp.dtype(cfg.dtype)
     h, n, p, v = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
