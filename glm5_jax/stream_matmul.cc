@@ -298,6 +298,14 @@ ColumnsFn TileFn(int64_t distinct_rows, int64_t* width) {
                                                                           : &Columns<2>;
 }
 
+// Streamed rows' column chunk: N in `parts` chunks (whole vectors), at most 2048 columns up
+// to kWideRows distinct rows of x and 256 above (their sums stay in L1).
+int64_t RowChunk(int64_t distinct_rows, int64_t N, int64_t parts) {
+  const int64_t width = (N + parts - 1) / parts;
+  return std::min<int64_t>(distinct_rows > kWideRows ? 256 : 2048,
+                           (width + kLanes - 1) / kLanes * kLanes);
+}
+
 // `work` on the calling thread and on up to threads - 1 of the pool's, until `done` counts
 // every item.
 template <typename F>
@@ -340,9 +348,7 @@ ffi::Error StreamMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     // chunk over its k-blocks in order, their sums added to y as they come; else an item
     // per chunk and k-block, the blocks' sums kept and added in order below.
     const int64_t per_block = blocks >= threads ? 1 : (threads + blocks - 1) / blocks;
-    const int64_t width = (N + per_block - 1) / per_block;
-    s->chunk = std::min<int64_t>(u > kWideRows ? 256 : 2048,
-                                 (width + kLanes - 1) / kLanes * kLanes);
+    s->chunk = RowChunk(u, N, per_block);
     s->n_chunks = (N + s->chunk - 1) / s->chunk;
     s->blocks = blocks;
     s->whole_k = blocks == 1 || s->n_chunks >= 2 * threads;
@@ -436,9 +442,7 @@ ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     const int64_t u = static_cast<int64_t>(p.rows.size());
     int64_t chunk;
     if (u <= kRowStreamMax) {
-      const int64_t width = (N + per_group - 1) / per_group;
-      chunk = std::min<int64_t>(u > kWideRows ? 256 : 2048,
-                                (width + kLanes - 1) / kLanes * kLanes);
+      chunk = RowChunk(u, N, per_group);
     } else {
       int64_t width;
       s->fn[g] = TileFn(u, &width);
