@@ -65,6 +65,7 @@ constexpr int kAhead = 8;   // rows of w prefetched ahead
 constexpr int64_t kRowStreamMax = 64;      // most distinct rows streamed (else tiles)
 constexpr int64_t kWideRows = 4;           // more rows than this: column chunks of 256
 constexpr int64_t kMinSplit = 256 << 10;   // smaller weights (bytes): one thread
+constexpr int64_t kMinBatchedSplit = 4 << 20;   // fewer multiply-adds: one thread
 
 struct Problem {
   const float* x;   // [M, K]
@@ -111,6 +112,45 @@ inline void TailTile(const Problem& p, int64_t row, int64_t n0, int64_t n1, int6
   }
 }
 
+// The last columns [n0, n1) (fewer than kLanes) of up to 8 rows: one masked vector per row, each
+// lane the chain that TailTile computes. Without AVX-512, TailTile row by row.
+#if defined(__AVX512F__)
+template <int R>
+inline void MaskedTile(const Problem& p, const int64_t* rows, int64_t n0, int64_t n1, int64_t k0,
+                       int64_t k1) {
+  const __mmask16 mask = static_cast<__mmask16>((1u << (n1 - n0)) - 1u);
+  vec acc[R];
+  const float* xr[R];
+  for (int r = 0; r < R; ++r) acc[r] = vzero(), xr[r] = p.x + rows[r] * p.K;
+  const float* wk = p.w + k0 * p.N + n0;
+  for (int64_t k = k0; k < k1; ++k, wk += p.N) {
+    const vec wv = _mm512_maskz_loadu_ps(mask, wk);
+    for (int r = 0; r < R; ++r) acc[r] = vfma(vset1(xr[r][k]), wv, acc[r]);
+  }
+  for (int r = 0; r < R; ++r) {
+    float* yr = p.y + rows[r] * p.N + n0;
+    _mm512_mask_storeu_ps(yr, mask, vadd(_mm512_maskz_loadu_ps(mask, yr), acc[r]));
+  }
+}
+#endif
+
+inline void TailGroup(const Problem& p, const int64_t* rows, int64_t n_rows, int64_t n0,
+                      int64_t n1, int64_t k0, int64_t k1) {
+#if defined(__AVX512F__)
+  switch (n_rows) {
+#define GLM5_CASE(r) \
+  case r:            \
+    return MaskedTile<r>(p, rows, n0, n1, k0, k1);
+    GLM5_CASE(1) GLM5_CASE(2) GLM5_CASE(3) GLM5_CASE(4) GLM5_CASE(5) GLM5_CASE(6)
+    GLM5_CASE(7) GLM5_CASE(8)
+#undef GLM5_CASE
+    default:
+      break;
+  }
+#endif
+  for (int64_t r = 0; r < n_rows; ++r) TailTile(p, rows[r], n0, n1, k0, k1);
+}
+
 template <int C>
 void RowGroup(const Problem& p, const int64_t* rows, int64_t n, int64_t n0, int64_t k0,
               int64_t k1) {
@@ -142,11 +182,13 @@ void Columns(const Problem& p, int64_t c0, int64_t c1) {
           RowGroup<C>(p, p.rows.data() + g, n_rows, n0, k0, k1);
           continue;
         }
-        int64_t n = n0;  // the last columns: one vector at a time, then scalar
+        int64_t n = n0;  // the last columns: one vector at a time, then a masked one
         for (; n + kLanes <= n1; n += kLanes)
           for (int64_t h = g; h < g + n_rows; h += 8)
             RowGroup<1>(p, p.rows.data() + h, std::min<int64_t>(8, g + n_rows - h), n, k0, k1);
-        for (int64_t r = g; r < g + n_rows; ++r) TailTile(p, p.rows[r], n, n1, k0, k1);
+        if (n < n1)
+          for (int64_t h = g; h < g + n_rows; h += 8)
+            TailGroup(p, p.rows.data() + h, std::min<int64_t>(8, g + n_rows - h), n, n1, k0, k1);
       }
     }
   }
@@ -458,6 +500,55 @@ ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
+// Batches of small products: y[g] = a[g] @ b[g] (a: [G, M, K], b: [G, K, N]), each output the
+// fused multiply-add chain in k that `matmul` computes (k-blocks of kc), in register tiles.
+// XLA:CPU runs such a batch as one Eigen GEMM per element, paying its packing and call each
+// time: a decode step's attention products (per request, [8, 144] x [144, 64]) ran at ~14 G
+// multiply-adds/s (docs/benchmarks.md). An item is one product.
+struct Batched {
+  const float *a, *b;
+  float* y;
+  int64_t G, M, K, N, kc;
+  ColumnsFn fn;
+  std::vector<int64_t> rows;
+  std::atomic<int64_t> next{0}, done{0};
+};
+
+void WorkBatched(Batched& s) {
+  for (int64_t g; (g = s.next.fetch_add(1)) < s.G;) {
+    Problem p;
+    p.x = s.a + g * s.M * s.K;
+    p.y = s.y + g * s.M * s.N;
+    p.K = s.K, p.N = s.N, p.kc = s.kc;
+    p.rows = s.rows;
+    p.w = s.b + g * s.K * s.N;
+    std::memset(p.y, 0, sizeof(float) * s.M * s.N);
+    s.fn(p, 0, s.N);
+    s.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+ffi::Error BatchedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a,
+                             ffi::Buffer<ffi::F32> b, ffi::ResultBuffer<ffi::F32> y,
+                             int64_t kc) {
+  const auto ad = a.dimensions(), bd = b.dimensions();
+  if (ad.size() != 3 || bd.size() != 3 || ad[0] != bd[0] || ad[2] != bd[1])
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "batched_matmul: a must be [G, M, K] and b [G, K, N]");
+  if (kc <= 0) return ffi::Error(ffi::ErrorCode::kInvalidArgument, "batched_matmul: kc <= 0");
+  auto s = std::make_shared<Batched>();
+  s->a = a.typed_data(), s->b = b.typed_data(), s->y = y->typed_data();
+  s->G = ad[0], s->M = ad[1], s->K = ad[2], s->N = bd[2], s->kc = kc;
+  int64_t width;
+  s->fn = TileFn(s->M, &width);
+  for (int64_t m = 0; m < s->M; ++m) s->rows.push_back(m);
+  if (s->G == 0 || s->M == 0 || s->N == 0) return ffi::Error::Success();
+  const int64_t threads =
+      s->G * s->M * s->K * s->N < kMinBatchedSplit ? 1 : std::max<int64_t>(1, pool.num_threads());
+  RunPool(pool, threads, s->G, [s] { WorkBatched(*s); }, s->done);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5StreamMatmul, StreamMatmulImpl,
@@ -476,5 +567,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5StreamGroupedMatmul, GroupedMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("kc"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5BatchedMatmul, BatchedMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("kc"));

@@ -45,6 +45,7 @@ import numpy as np
 SOURCE = pathlib.Path(__file__).with_name("stream_matmul.cc")
 TARGET = "glm5_stream_matmul"
 GROUPED_TARGET = "glm5_stream_grouped_matmul"
+BATCHED_TARGET = "glm5_batched_matmul"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-ffp-contract=off", "-shared", "-fPIC")
 KMAX_CANDIDATES = (320, 384, 256, 512, 192, 128)   # Eigen's largest kc, most likely first
 PROBE_ROWS = (8, 256)     # XLA matmuls the kernel must equal: the engine's, the trainer's
@@ -115,6 +116,8 @@ def available() -> bool:
                               platform="cpu")
   jax.ffi.register_ffi_target(GROUPED_TARGET, jax.ffi.pycapsule(lib.Glm5StreamGroupedMatmul),
                               platform="cpu")
+  jax.ffi.register_ffi_target(BATCHED_TARGET, jax.ffi.pycapsule(lib.Glm5BatchedMatmul),
+                              platform="cpu")
   return True
 
 
@@ -181,3 +184,98 @@ def kc(k: int, n: int) -> int | None:
 
 
 _block_size = kc   # for `matmul`, whose argument of that name hides it
+
+
+def batched_matmul(a_gmk, b_gkn, kc: int | None = None):
+  """y [G, M, N]: y[g] = a[g] @ b[g] for float32 a [G, M, K] and b [G, K, N], each output
+  `matmul`'s fused multiply-add chain in k (blocks of `kc`; None: one block). For batches of
+  small products, which XLA:CPU runs as one GEMM call each (`einsum`). Needs `available()`."""
+  if a_gmk.ndim != 3 or b_gkn.ndim != 3 or b_gkn.shape[:2] != (a_gmk.shape[0], a_gmk.shape[2]):
+    raise ValueError(f"batched_matmul: a must be [G, M, K] and b [G, K, N], got a "
+                     f"{a_gmk.shape}, b {b_gkn.shape}")
+  if a_gmk.dtype != jnp.float32 or b_gkn.dtype != jnp.float32:
+    raise ValueError(f"batched_matmul: float32 only, got a {a_gmk.dtype}, b {b_gkn.dtype}")
+  g, m, k = a_gmk.shape
+  call = jax.ffi.ffi_call(BATCHED_TARGET,
+                          jax.ShapeDtypeStruct((g, m, b_gkn.shape[2]), jnp.float32))
+  return call(a_gmk, b_gkn, kc=np.int64(kc or max(k, 1)))
+
+
+def _einsum_plan(eq: str, a_shape, b_shape):
+  """How `einsum` computes a two-operand einsum (a contraction, no repeated or summed-away
+  index) as products [G, M, K] @ [G, K, N]: (a's axes in the first order, b's in the second,
+  the output's axes from [G.., M.., N..], that shape, (G, M, K, N)); None for any other."""
+  if "..." in eq or "->" not in eq:
+    return None
+  ins, out = eq.replace(" ", "").split("->")
+  if ins.count(",") != 1:
+    return None
+  lhs, rhs = ins.split(",")
+  if any(len(set(s)) != len(s) for s in (lhs, rhs, out)) or not set(out) <= set(lhs + rhs) or (
+      len(lhs) != len(a_shape) or len(rhs) != len(b_shape)):
+    return None
+  size = {**dict(zip(lhs, a_shape)), **dict(zip(rhs, b_shape))}
+  if any(size[c] != s for c, s in [*zip(lhs, a_shape), *zip(rhs, b_shape)]):
+    return None
+  batch = [c for c in lhs if c in rhs and c in out]
+  contract = [c for c in lhs if c in rhs and c not in out]
+  m = [c for c in lhs if c not in rhs]
+  n = [c for c in rhs if c not in lhs]
+  if set(m + n) - set(out) or not contract:
+    return None
+  prod = lambda cs: int(np.prod([size[c] for c in cs], dtype=np.int64))
+  mid = batch + m + n
+  return ([lhs.index(c) for c in batch + m + contract],
+          [rhs.index(c) for c in batch + contract + n], [mid.index(c) for c in out],
+          [size[c] for c in mid], (prod(batch), prod(m), prod(contract), prod(n)))
+
+
+def _planned_einsum(plan, a, b, kc: int):
+  """`plan`'s einsum: the operands laid out [G, M, K] and [G, K, N] by XLA (in the kernel, a
+  transposing copy per product measured 3x slower than XLA's), `batched_matmul`, y laid out
+  back."""
+  a_order, b_order, out_order, mid_shape, (g, m, k, n) = plan
+  a3 = jnp.transpose(a, a_order).reshape(g, m, k)
+  b3 = jnp.transpose(b, b_order).reshape(g, k, n)
+  return jnp.transpose(batched_matmul(a3, b3, kc).reshape(mid_shape), out_order)
+
+
+@functools.lru_cache(maxsize=None)
+def einsum_kc(eq: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> int | None:
+  """The block size at which `einsum(eq)` through `batched_matmul` equals XLA's einsum at
+  these float32 shapes bitwise, on seeded random data (as `kc` probes); None if none does, the
+  equation is not a batch of products, or the kernel is not available."""
+  plan = _einsum_plan(eq, a_shape, b_shape)
+  if plan is None or not available() or 0 in a_shape or 0 in b_shape:
+    return None
+  rng = np.random.default_rng(int.from_bytes(
+      hashlib.sha256(repr((eq, a_shape, b_shape)).encode()).digest()[:8], "little"))
+  a = rng.standard_normal(a_shape, np.float32)
+  b = rng.standard_normal(b_shape, np.float32)
+  with jax.ensure_compile_time_eval():     # also when first asked inside a trace
+    want = np.asarray(jax.jit(functools.partial(jnp.einsum, eq))(a, b))
+    for bounds in candidates(plan[-1][2]):
+      got = np.asarray(jax.jit(functools.partial(_planned_einsum, plan, kc=bounds[1]))(a, b))
+      if np.array_equal(got, want):
+        return bounds[1]
+  return None
+
+
+EINSUM_MAX_ROWS = 256           # rows of each product `einsum` sends to the kernel, at most
+EINSUM_MAX_FMAS = 1 << 24       # and multiply-adds in all (a prefill chunk's stay XLA's)
+
+
+def einsum(eq: str, a, b, preferred_element_type=None):
+  """`jnp.einsum(eq, a, b)` for float32 operands, through `batched_matmul` where the products
+  are small (EINSUM_MAX_ROWS, EINSUM_MAX_FMAS) and `einsum_kc` finds it equal to XLA's at
+  these shapes: the same numbers (a decode step's per-request and per-head attention
+  products, one XLA GEMM call each). Else XLA's own."""
+  kc_ = None
+  plan = _einsum_plan(eq, tuple(a.shape), tuple(b.shape))
+  if (plan is not None and a.dtype == jnp.float32 and b.dtype == jnp.float32
+      and preferred_element_type in (None, jnp.float32) and plan[-1][1] <= EINSUM_MAX_ROWS
+      and math.prod(plan[-1]) <= EINSUM_MAX_FMAS):
+    kc_ = einsum_kc(eq, tuple(a.shape), tuple(b.shape))
+  if kc_ is None:
+    return jnp.einsum(eq, a, b, preferred_element_type=preferred_element_type)
+  return _planned_einsum(plan, a, b, kc_)

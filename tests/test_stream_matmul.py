@@ -115,6 +115,56 @@ def test_bad_operands_name_the_problem():
                                  jnp.zeros((2,), jnp.int32), 1, kc=64)
 
 
+# A decode step's attention products (nn/mla.py `_over_cache`, pallas_kernels/sparse_attention
+# xla.py): absorbed queries, sparse attention's logits and values, W_UV; then odd sizes (column
+# tails, rows past one register tile, k past a block, a batch axis last in the output).
+EINSUMS = [("bthn,chn->bthc", (16, 1, 8, 48), (8, 48, 128), (1, 2, 0)),
+           ("bchd,bckd->bchk", (16, 1, 8, 144), (16, 1, 64, 144), None),
+           ("bchk,bckv->bchv", (1, 1, 8, 256), (1, 1, 256, 128), None),
+           ("bthc,chv->bthv", (8, 1, 8, 128), (8, 128, 64), (1, 0, 2)),
+           ("gmk,gkn->gmn", (3, 13, 37), (3, 37, 21), None),
+           ("mk,kn->mn", (40, 700), (700, 24), None),
+           ("bmk,knb->nmb", (5, 3, 16), (16, 17, 5), None)]
+
+
+@pytest.mark.parametrize("eq,a_shape,b_shape,laid", EINSUMS)
+def test_einsum_equals_xlas_einsum_bitwise(eq, a_shape, b_shape, laid, rng):
+  """The batched kernel's products are XLA's, bit for bit (b given in `laid`'s axes, as an
+  engine serves MLA's W_UK / W_UV: nn/params.py SERVED_LAYOUTS)."""
+  a = jnp.asarray(rng.standard_normal(a_shape, np.float32))
+  b = jnp.asarray(rng.standard_normal(b_shape, np.float32))
+  if laid is not None:
+    b = jnp.transpose(b, np.argsort(laid))
+  assert stream_matmul.einsum_kc(eq, a.shape, b.shape) is not None
+  got = jax.jit(functools.partial(stream_matmul.einsum, eq))(a, b)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(
+      functools.partial(jnp.einsum, eq))(a, b)))
+
+
+def test_einsum_leaves_other_equations_and_large_products_to_xla(rng):
+  a = jnp.asarray(rng.standard_normal((4, 8), np.float32))
+  assert stream_matmul._einsum_plan("ij,jk->i", a.shape, (8, 3)) is None    # k summed away
+  assert stream_matmul._einsum_plan("ii,ij->j", (4, 4), a.shape) is None    # a repeated index
+  assert stream_matmul._einsum_plan("ij,jk", a.shape, (8, 3)) is None       # implicit output
+  assert stream_matmul._einsum_plan("ij,kl->ijkl", a.shape, (2, 3)) is None  # no contraction
+  np.testing.assert_array_equal(stream_matmul.einsum("ij,jk->i", a, a.T),
+                                jnp.einsum("ij,jk->i", a, a.T))
+  big = jax.make_jaxpr(functools.partial(stream_matmul.einsum, "mk,kn->mn"))(
+      jnp.zeros((257, 8)), jnp.zeros((8, 4)))
+  assert "ffi_call" not in str(big)           # more rows than EINSUM_MAX_ROWS: XLA's dot
+  small = jax.make_jaxpr(functools.partial(stream_matmul.einsum, "mk,kn->mn"))(
+      jnp.zeros((256, 8)), jnp.zeros((8, 4)))
+  assert "ffi_call" in str(small)
+
+
+def test_batched_matmul_names_bad_operands():
+  a = jnp.zeros((2, 8, 16), jnp.float32)
+  with pytest.raises(ValueError, match=r"a must be \[G, M, K\] and b \[G, K, N\]"):
+    stream_matmul.batched_matmul(a, jnp.zeros((2, 8, 16), jnp.float32))
+  with pytest.raises(ValueError, match="float32 only"):
+    stream_matmul.batched_matmul(a.astype(jnp.bfloat16), jnp.zeros((2, 16, 4), jnp.bfloat16))
+
+
 def test_laid_out_copies_are_the_planned_weights_in_their_served_layouts(rng):
   """Only the weights nn.params.SERVED_LAYOUTS lists, a stack's layer axis kept first."""
   w_uv = rng.standard_normal((2, 4, 3, 5), np.float32)       # [R, c, h, v]
@@ -126,9 +176,9 @@ def test_laid_out_copies_are_the_planned_weights_in_their_served_layouts(rng):
   out = placement.laid_out_copies(plan, params)
   assert set(out["moe_layers"]["layer_0"]["attn"]) == {"w_uv"}
   np.testing.assert_array_equal(out["moe_layers"]["layer_0"]["attn"]["w_uv"],
-                                np.transpose(w_uv, (0, 2, 3, 1)))           # [R, h, v, c]
+                                np.transpose(w_uv, (0, 2, 1, 3)))           # [R, h, c, v]
   np.testing.assert_array_equal(out["mtp"]["layer"]["attn"]["w_uk"],
-                                np.transpose(w_uk, (1, 0, 2)))              # [h, c, n]
+                                np.transpose(w_uk, (1, 2, 0)))              # [h, n, c]
 
 
 def test_the_tiny_preset_is_not_streamed(tiny_cfg, tiny_params):

@@ -62,11 +62,12 @@ def topk_indices(q, k, w, topk, *, impl, interpret, chunk_size, start=None, back
                        check_vma=False)(q, k, w, start, limit)
 
 
-def sparse_mla(q, kv, indices, *, v_dim, scale, impl, interpret, chunk_size, backend=None):
+def sparse_mla(q, kv, indices, *, v_dim, scale, impl, interpret, chunk_size, backend=None,
+               einsum=None):
   """`sparse_attention.sparse_mla`, sharded over batch and heads for `impl="pallas"`."""
   call = lambda q, kv, indices: sparse_attention.sparse_mla(
       q, kv, indices, v_dim=v_dim, scale=scale, impl=impl, interpret=interpret,
-      chunk_size=chunk_size, backend=backend)
+      chunk_size=chunk_size, backend=backend, einsum=einsum)
   mesh = shd.active_mesh()
   if impl != "pallas" or mesh is None:
     return call(q, kv, indices)

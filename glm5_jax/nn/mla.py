@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from glm5_jax import numerics
 from glm5_jax import sharding as shd
+from glm5_jax import stream_matmul
 from glm5_jax.nn import attention
 from glm5_jax.nn import context_parallel as cp
 from glm5_jax.nn import dsa
@@ -109,9 +110,9 @@ def mla_dense_attention(cfg, q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, doc_start
       block_k=cfg.attention_chunk_size, interpret=None)
 
 
-def absorb_query(q_nope, q_rope, w_uk):
+def absorb_query(q_nope, q_rope, w_uk, einsum=jnp.einsum):
   """q~ = [q_nope W_UK^T | q_rope]: [b, t, h, c + p] (docs/design.md §2.3)."""
-  q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w_uk)
+  q_lat = einsum("bthn,chn->bthc", q_nope, w_uk)
   return jnp.concatenate([q_lat, q_rope.astype(q_lat.dtype)], axis=-1)
 
 
@@ -148,11 +149,12 @@ def mla_sparse_attention(cfg, q_nope, q_rope, kv, w_uk, w_uv, indices_btk):
 
 
 def attend_cache(cfg, q_abs, q_i, w_i, doc_start, prev_indices, read_bs, limit_bt, kv_pool,
-                 k_idx_pool, layer):
+                 k_idx_pool, layer, einsum=jnp.einsum):
   """Absorbed queries over each sequence's view of the cache (nn/kv_cache.py), query i
   seeing positions 0 .. limit[b, i]: (u [b, t, h, c], before W_UV; the top-k indices
   [b, t, k] of sparse attention, or None). q_i, w_i: the indexer's queries and weights
-  (None on a "shared" layer, which reuses prev_indices)."""
+  (None on a "shared" layer, which reuses prev_indices). einsum: what computes sparse
+  attention's products."""
   kv = kv_cache.read(kv_pool, read_bs, layer).astype(q_abs.dtype)
   c = cfg.kv_lora_rank
   if cfg.attention_type == "dense":
@@ -167,7 +169,7 @@ def attend_cache(cfg, q_abs, q_i, w_i, doc_start, prev_indices, read_bs, limit_b
     raise ValueError("a 'shared' indexer layer needs the previous full layer's top-k")
   u, _ = dsa.sparse_mla(q_abs, kv, indices, v_dim=c, scale=cfg.softmax_scale,
                         impl=cfg.attention_impl, interpret=None,
-                        chunk_size=cfg.attention_chunk_size)
+                        chunk_size=cfg.attention_chunk_size, einsum=einsum)
   return u, indices
 
 
@@ -311,10 +313,14 @@ class MLA(nn.Module):
       q_i, k_i, w_i = indexer_lib.Indexer(cfg, name="indexer")(x_btd, c_q, inputs.cos,
                                                                inputs.sin)
       new_cache["k_idx"] = kv_cache.write(cache["k_idx"], k_i, idx.write_bt, at)
-    q_abs = absorb_query(q_nope, q_rope, w_uk)
+    # A streamed forward (the CPU engine) computes the per-head and per-request products
+    # with the batched kernel: the same numbers, without XLA's GEMM call per product.
+    einsum = stream_matmul.einsum if self.has_variable(P.STREAM_W, "w_uk") else jnp.einsum
+    q_abs = absorb_query(q_nope, q_rope, w_uk, einsum)
     u, indices = mirrored_lanes(
-        lambda *lanes: attend_cache(cfg, *lanes, new_cache["kv"], new_cache.get("k_idx"), at),
+        lambda *lanes: attend_cache(cfg, *lanes, new_cache["kv"], new_cache.get("k_idx"), at,
+                                    einsum),
         (q_abs, q_i, w_i, inputs.doc_start, prev_indices, idx.read_bs, idx.limit_bt))
-    o = jnp.einsum("bthc,chv->bthv", u, w_uv)
+    o = einsum("bthc,chv->bthv", u, w_uv)
     out = P.dense(self, "wo", o, wo.astype(jnp.dtype(cfg.dtype)))
     return out, layer_io.LayerAux(indexer_kl=None, topk_indices=indices), new_cache

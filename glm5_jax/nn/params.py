@@ -87,10 +87,11 @@ def dense(module: nn.Module, name: str, x, w, preferred_element_type=None,
   return jnp.tensordot(x, w, n, preferred_element_type=preferred_element_type)
 
 
-# Weights whose products XLA reads in another layout, transposing them out of their layer
-# stack every step (MLA's absorbed per-head products, nn/mla.py), and that layout (axes of
-# the weight): an engine serves a copy so laid out (`laid_out`).
-SERVED_LAYOUTS = {"w_uk": (1, 0, 2), "w_uv": (1, 2, 0)}
+# Weights whose products read them in another layout, which would transpose them out of their
+# layer stack every step (MLA's absorbed per-head products, nn/mla.py, through the batched
+# kernel's [heads, k, n] operand: glm5_jax/stream_matmul.py `einsum`), and that layout (axes
+# of the weight): an engine serves a copy so laid out (`laid_out`).
+SERVED_LAYOUTS = {"w_uk": (1, 2, 0), "w_uv": (1, 0, 2)}
 
 
 def laid_out(module: nn.Module, name: str, w):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from pallas_kernels import _backend
 from pallas_kernels.sparse_attention import xla
 
@@ -17,7 +19,7 @@ def _check_shapes(q, kv, indices, v_dim):
 
 def sparse_mla(q, kv, indices, *, v_dim: int, scale: float, impl: str = "xla",
                interpret: bool | None = False, chunk_size: int = 256,
-               backend: str | None = None):
+               backend: str | None = None, einsum=None):
   """Attention of absorbed MLA queries over their selected cache rows.
 
   Args:
@@ -32,6 +34,8 @@ def sparse_mla(q, kv, indices, *, v_dim: int, scale: float, impl: str = "xla",
     chunk_size: query chunk of the "xla" path.
     backend: for "pallas", the kernel lowering: "tpu", "gpu", or None = the
       platform's (see `pallas_kernels._backend`).
+    einsum: for "xla", what computes its two products (default `jnp.einsum`; see
+      `xla.sparse_mla_xla`).
 
   Returns:
     out [b, t, h, v_dim], lse [b, t, h] float32; rows with no valid index give
@@ -40,7 +44,7 @@ def sparse_mla(q, kv, indices, *, v_dim: int, scale: float, impl: str = "xla",
   _check_shapes(q, kv, indices, v_dim)
   if impl == "xla":
     return xla.sparse_mla_xla(q, kv, indices, v_dim=v_dim, scale=scale,
-                              chunk_size=chunk_size)
+                              chunk_size=chunk_size, einsum=einsum or jnp.einsum)
   if impl == "pallas":
     from pallas_kernels.sparse_attention import kernel  # pylint: disable=g-import-not-at-top
     return kernel.sparse_mla(q, kv, indices, v_dim=v_dim, scale=scale, interpret=interpret,

@@ -33,10 +33,11 @@ def _gather_rows(kv_bsd, idx_bck):
   return jax.vmap(lambda kv_sd, i_ck: kv_sd[i_ck])(kv_bsd, safe)
 
 
-def _attend_chunk(q_bchd, kv_bsd, idx_bck, v_dim: int, scale: float, dtype=None):
+def _attend_chunk(q_bchd, kv_bsd, idx_bck, v_dim: int, scale: float, dtype=None,
+                  einsum=jnp.einsum):
   rows_bckd = _gather_rows(kv_bsd, idx_bck).astype(dtype or kv_bsd.dtype)
-  logits = jnp.einsum("bchd,bckd->bchk", q_bchd, rows_bckd,
-                      preferred_element_type=jnp.float32) * scale
+  logits = einsum("bchd,bckd->bchk", q_bchd, rows_bckd,
+                  preferred_element_type=jnp.float32) * scale
   valid_bck = idx_bck >= 0
   any_valid = jnp.any(valid_bck, axis=-1)[:, :, None]
   # Empty rows: logits left finite (0) so that neither lse nor its gradient is NaN.
@@ -44,13 +45,14 @@ def _attend_chunk(q_bchd, kv_bsd, idx_bck, v_dim: int, scale: float, dtype=None)
   logits = jnp.where(keep, jnp.where(valid_bck[:, :, None, :], logits, 0.0), -jnp.inf)
   lse_bch = jax.nn.logsumexp(logits, axis=-1)
   p = jnp.where(any_valid[..., None], jnp.exp(logits - lse_bch[..., None]), 0.0)
-  out = jnp.einsum("bchk,bckv->bchv", p.astype(q_bchd.dtype), rows_bckd[..., :v_dim],
-                   preferred_element_type=jnp.float32)
+  out = einsum("bchk,bckv->bchv", p.astype(q_bchd.dtype), rows_bckd[..., :v_dim],
+               preferred_element_type=jnp.float32)
   lse_bch = jnp.where(any_valid, lse_bch, -jnp.inf)
   return out.astype(q_bchd.dtype), lse_bch
 
 
-def sparse_mla_xla(q, kv, indices, *, v_dim: int, scale: float, chunk_size: int = 256):
+def sparse_mla_xla(q, kv, indices, *, v_dim: int, scale: float, chunk_size: int = 256,
+                   einsum=jnp.einsum):
   """Chunked jnp sparse MLA attention (the `impl="xla"` path).
 
   Args:
@@ -60,6 +62,8 @@ def sparse_mla_xla(q, kv, indices, *, v_dim: int, scale: float, chunk_size: int 
     v_dim: value width (the first v_dim columns of kv, i.e. c_kv).
     scale: logit scale.
     chunk_size: queries processed at once.
+    einsum: computes the two products (`jnp.einsum`'s signature; a forward-only caller may
+      pass one with the same numbers, e.g. the CPU inference engine's kernel).
 
   Returns:
     out [b, t, h, v_dim] (q.dtype), lse [b, t, h] float32.
@@ -78,7 +82,7 @@ def sparse_mla_xla(q, kv, indices, *, v_dim: int, scale: float, chunk_size: int 
   @jax.checkpoint
   def one_chunk(args):
     q_bchd, idx_bck = args
-    return _attend_chunk(q_bchd, kv32, idx_bck, v_dim, scale, kv.dtype)
+    return _attend_chunk(q_bchd, kv32, idx_bck, v_dim, scale, kv.dtype, einsum)
 
   out, lse = jax.lax.map(one_chunk, (q_c, i_c))
   out = out.swapaxes(0, 1).reshape(b, n * c, h, v_dim)[:, :t]
