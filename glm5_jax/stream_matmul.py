@@ -266,14 +266,17 @@ EINSUM_MAX_FMAS = 1 << 24       # and multiply-adds in all (a prefill chunk's st
 
 
 def einsum(eq: str, a, b, preferred_element_type=None):
-  """`jnp.einsum(eq, a, b)` for float32 operands, through `batched_matmul` where the products
-  are small (EINSUM_MAX_ROWS, EINSUM_MAX_FMAS) and `einsum_kc` finds it equal to XLA's at
-  these shapes: the same numbers (a decode step's per-request and per-head attention
-  products, one XLA GEMM call each). Else XLA's own."""
+  """`jnp.einsum(eq, a, b)` for float32 operands, through `batched_matmul` where it is a batch
+  (two or more) of small products (EINSUM_MAX_ROWS, EINSUM_MAX_FMAS) and `einsum_kc` finds it
+  equal to XLA's at these shapes: the same numbers (a decode step's per-request and per-head
+  attention products, which XLA:CPU runs as one GEMM call each). Else XLA's own: a single
+  product is one call there too, and its operands' layout copies here measured slower (a lone
+  request's indexer scores at 1K context)."""
   kc_ = None
   plan = _einsum_plan(eq, tuple(a.shape), tuple(b.shape))
   if (plan is not None and a.dtype == jnp.float32 and b.dtype == jnp.float32
-      and preferred_element_type in (None, jnp.float32) and plan[-1][1] <= EINSUM_MAX_ROWS
+      and preferred_element_type in (None, jnp.float32) and plan[-1][0] > 1
+      and plan[-1][1] <= EINSUM_MAX_ROWS
       and math.prod(plan[-1]) <= EINSUM_MAX_FMAS):
     kc_ = einsum_kc(eq, tuple(a.shape), tuple(b.shape))
   if kc_ is None:

@@ -149,12 +149,11 @@ def test_einsum_leaves_other_equations_and_large_products_to_xla(rng):
   assert stream_matmul._einsum_plan("ij,kl->ijkl", a.shape, (2, 3)) is None  # no contraction
   np.testing.assert_array_equal(stream_matmul.einsum("ij,jk->i", a, a.T),
                                 jnp.einsum("ij,jk->i", a, a.T))
-  big = jax.make_jaxpr(functools.partial(stream_matmul.einsum, "mk,kn->mn"))(
-      jnp.zeros((257, 8)), jnp.zeros((8, 4)))
-  assert "ffi_call" not in str(big)           # more rows than EINSUM_MAX_ROWS: XLA's dot
-  small = jax.make_jaxpr(functools.partial(stream_matmul.einsum, "mk,kn->mn"))(
-      jnp.zeros((256, 8)), jnp.zeros((8, 4)))
-  assert "ffi_call" in str(small)
+  jaxpr = lambda eq, a_shape, b_shape: str(jax.make_jaxpr(functools.partial(
+      stream_matmul.einsum, eq))(jnp.zeros(a_shape), jnp.zeros(b_shape)))
+  assert "ffi_call" in jaxpr("gmk,gkn->gmn", (2, 256, 8), (2, 8, 4))
+  assert "ffi_call" not in jaxpr("gmk,gkn->gmn", (2, 257, 8), (2, 8, 4))   # > EINSUM_MAX_ROWS
+  assert "ffi_call" not in jaxpr("mk,kn->mn", (256, 8), (8, 4))            # one product
 
 
 def test_batched_matmul_names_bad_operands():

@@ -43,7 +43,7 @@ _KL_EPS = 1e-10  # Megatron `compute_dsa_indexer_loss`
 # --------------------------------------------------------------------------------------
 
 def topk_indices(q, k, w, topk, *, impl, interpret, chunk_size, start=None, backend=None,
-                 limit=None):
+                 limit=None, einsum=None):
   """`lightning_indexer.topk_indices`, sharded over the batch axes for `impl="pallas"`.
 
   start: optional int32 [b, t]; limit: optional int32 [t] (every row alike) or
@@ -51,7 +51,7 @@ def topk_indices(q, k, w, topk, *, impl, interpret, chunk_size, start=None, back
   """
   call = lambda q, k, w, start, limit: lightning_indexer.topk_indices(
       q, k, w, topk, impl=impl, interpret=interpret, chunk_size=chunk_size, start=start,
-      backend=backend, limit=limit)
+      backend=backend, limit=limit, einsum=einsum)
   mesh = shd.active_mesh()
   if impl != "pallas" or mesh is None:
     return call(q, k, w, start, limit)

@@ -66,14 +66,15 @@ def num_slots(index_topk: int, s: int) -> int:
   return min(index_topk, s)
 
 
-def select_topk(cfg, q, k, w, doc_start=None, limit=None):
+def select_topk(cfg, q, k, w, doc_start=None, limit=None, einsum=None):
   """int32 [b, t, num_slots(index_topk, s)] deterministic causal top-k (see pallas_kernels).
 
   doc_start [b, t]: first key of each query's document (packed rows); keys of
   other documents are never selected. limit [t]: last visible key of each query
-  (default causal; context parallelism passes each query's natural position).
+  (default causal; context parallelism passes each query's natural position). einsum:
+  what computes the scores' products (the "xla" impl; default `jnp.einsum`).
   """
   return dsa.topk_indices(
       q, k, w, num_slots(cfg.index_topk, k.shape[1]), impl=cfg.attention_impl,
       interpret=None, chunk_size=cfg.attention_chunk_size,
-      start=doc_start, limit=limit)
+      start=doc_start, limit=limit, einsum=einsum)

@@ -153,8 +153,8 @@ def attend_cache(cfg, q_abs, q_i, w_i, doc_start, prev_indices, read_bs, limit_b
   """Absorbed queries over each sequence's view of the cache (nn/kv_cache.py), query i
   seeing positions 0 .. limit[b, i]: (u [b, t, h, c], before W_UV; the top-k indices
   [b, t, k] of sparse attention, or None). q_i, w_i: the indexer's queries and weights
-  (None on a "shared" layer, which reuses prev_indices). einsum: what computes sparse
-  attention's products."""
+  (None on a "shared" layer, which reuses prev_indices). einsum: what computes the
+  indexer's and sparse attention's products."""
   kv = kv_cache.read(kv_pool, read_bs, layer).astype(q_abs.dtype)
   c = cfg.kv_lora_rank
   if cfg.attention_type == "dense":
@@ -164,7 +164,7 @@ def attend_cache(cfg, q_abs, q_i, w_i, doc_start, prev_indices, read_bs, limit_b
   indices = prev_indices
   if q_i is not None:
     k_i = kv_cache.read(k_idx_pool, read_bs, layer)
-    indices = indexer_lib.select_topk(cfg, q_i, k_i, w_i, doc_start, limit_bt)
+    indices = indexer_lib.select_topk(cfg, q_i, k_i, w_i, doc_start, limit_bt, einsum)
   if indices is None:
     raise ValueError("a 'shared' indexer layer needs the previous full layer's top-k")
   u, _ = dsa.sparse_mla(q_abs, kv, indices, v_dim=c, scale=cfg.softmax_scale,

@@ -37,7 +37,8 @@ def _check_limit(limit, b: int, t: int):
 
 
 def topk_indices(q, k, w, topk: int, *, impl: str = "xla", interpret: bool | None = False,
-                 chunk_size: int = 512, start=None, backend: str | None = None, limit=None):
+                 chunk_size: int = 512, start=None, backend: str | None = None, limit=None,
+                 einsum=None):
   """Top-k key positions per query by lightning-indexer score.
 
   Args:
@@ -57,6 +58,8 @@ def topk_indices(q, k, w, topk: int, *, impl: str = "xla", interpret: bool | Non
       alike; context parallelism's permuted rows) or [b, t] (per row; b
       sequences over a KV cache, each with t new queries at its own
       positions). Default: causal, `s - t + i`. Both impls take it.
+    einsum: for "xla", what computes the queries' products with the keys (default
+      `jnp.einsum`; see `xla.topk_indices_xla`).
 
   Returns:
     int32 [b, t, topk]: for query i of row b the keys
@@ -70,7 +73,7 @@ def topk_indices(q, k, w, topk: int, *, impl: str = "xla", interpret: bool | Non
   _check_limit(limit, *q.shape[:2])
   if impl == "xla":
     return xla.topk_indices_xla(q, k, w, topk, chunk_size=chunk_size, start=start,
-                                limit=limit)
+                                limit=limit, einsum=einsum or jnp.einsum)
   if impl == "pallas":
     from pallas_kernels.lightning_indexer import kernel  # pylint: disable=g-import-not-at-top
     return kernel.topk_indices(q, k, w, topk, start=start, interpret=interpret,

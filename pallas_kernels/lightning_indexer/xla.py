@@ -40,10 +40,10 @@ import jax.numpy as jnp
 from pallas_kernels import _backend
 
 
-def index_scores(q_btjd, k_bsd, w_btj):
-  """I[b, t, s] = sum_j w[b,t,j] * relu(q[b,t,j] . k[b,s]), float32, no mask."""
-  qk_btjs = jnp.einsum("btjd,bsd->btjs", q_btjd, k_bsd,
-                       preferred_element_type=jnp.float32)
+def index_scores(q_btjd, k_bsd, w_btj, einsum=jnp.einsum):
+  """I[b, t, s] = sum_j w[b,t,j] * relu(q[b,t,j] . k[b,s]), float32, no mask. einsum:
+  computes q . k (`jnp.einsum`'s signature; see `topk_indices_xla`)."""
+  qk_btjs = einsum("btjd,bsd->btjs", q_btjd, k_bsd, preferred_element_type=jnp.float32)
   return jnp.einsum("btjs,btj->bts", jax.nn.relu(qk_btjs), w_btj.astype(jnp.float32))
 
 
@@ -107,7 +107,7 @@ def _top_k(x, k: int):
 
 
 def topk_indices_xla(q, k, w, topk: int, *, chunk_size: int = 512, start=None,
-                     limit=None):
+                     limit=None, einsum=jnp.einsum):
   """Chunked jnp lightning-indexer top-k (the `impl="xla"` path).
 
   Args:
@@ -121,6 +121,9 @@ def topk_indices_xla(q, k, w, topk: int, *, chunk_size: int = 512, start=None,
       `causal_limit`; context parallelism's permuted rows pass each query's
       natural position as [t]; a KV-cache forward passes each row's own
       positions as [b, t]).
+    einsum: computes the queries' products with the keys (`jnp.einsum`'s signature; a
+      forward-only caller may pass one with the same numbers, e.g. the CPU inference
+      engine's kernel).
 
   Returns:
     int32 [b, t, topk].
@@ -141,7 +144,8 @@ def topk_indices_xla(q, k, w, topk: int, *, chunk_size: int = 512, start=None,
 
   def one_chunk(args):
     q_bcjd, w_bcj, limit_c, start_bc = args
-    return deterministic_topk(index_scores(q_bcjd, k, w_bcj), limit_c, topk, start_bc)
+    return deterministic_topk(index_scores(q_bcjd, k, w_bcj, einsum), limit_c, topk,
+                              start_bc)
 
   idx = jax.lax.map(one_chunk, (q_c, w_c, limit, s_c))  # [n, b, c, topk]
   return idx.swapaxes(0, 1).reshape(b, n_chunks * c, topk)[:, :t]
