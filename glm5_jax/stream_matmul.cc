@@ -9,8 +9,8 @@
 // k-block (the blocks' sums added in order at the end); more rows (prefill): register
 // tiles over column chunks. Work items go to the calling thread and XLA's intra-op thread
 // pool. A second entry point multiplies groups of rows each by its own matrix of a stack
-// (the routed experts' blocks of a step, one call for all of them). See
-// glm5_jax/stream_matmul.py.
+// (the routed experts' blocks of a step, one call for all of them), a third batches of small
+// products (a decode step's attention products). See glm5_jax/stream_matmul.py.
 
 #include <algorithm>
 #include <atomic>

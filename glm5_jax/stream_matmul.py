@@ -14,7 +14,9 @@ another (`inference/matvec.py` measured that order). Equal rows of x are compute
 a lone request's mirrored lanes cost one row. XLA's intra-op threads share its columns.
 `grouped_matmul` runs many such products in one call, each group of rows by its own layer
 of the stack (a step's expert blocks): the threads go from one matrix to the next without
-a call, and a wake-up of the pool, per matrix.
+a call, and a wake-up of the pool, per matrix. `batched_matmul` multiplies batches of small
+matrices in the same order (`einsum`: a decode step's per-head and per-request attention
+products, which XLA:CPU runs as one GEMM call each), where a probe finds it equal to XLA's.
 
 Eigen picks `kc` from the CPU's caches and the shape, so nothing here assumes it: `kc(k, n)`
 tries the candidates of Eigen's rule (`candidates`) on seeded data against XLA's own matmul
