@@ -22,33 +22,28 @@ Eigen picks `kc` from the CPU's caches and the shape, so nothing here assumes it
 tries the candidates of Eigen's rule (`candidates`) on seeded data against XLA's own matmul
 at 8 and at 256 rows (the engine's and the trainer's row counts) and returns the one that
 matches bitwise, or None; the engine streams only the weights whose `kc` is found
-(`inference/placement.py` `stream_plan`). The library is compiled on first use with the
-system's C++ compiler (`CXX`, default g++) into `GLM5_JAX_CACHE` (default
-~/.cache/glm5_jax); without a compiler, `available()` is False (logged once) and every
-matmul stays XLA's: the same numbers, slower.
+(`inference/placement.py` `stream_plan`). The library is compiled on first use
+(`cpu_ffi.py`: the system's C++ compiler, cached in `GLM5_JAX_CACHE`); without a compiler,
+`available()` is False (logged once) and every matmul stays XLA's: the same numbers, slower.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import hashlib
-import logging
 import math
-import os
 import pathlib
-import shutil
-import subprocess
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from glm5_jax import cpu_ffi
+
 SOURCE = pathlib.Path(__file__).with_name("stream_matmul.cc")
 TARGET = "glm5_stream_matmul"
 GROUPED_TARGET = "glm5_stream_grouped_matmul"
 BATCHED_TARGET = "glm5_batched_matmul"
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-ffp-contract=off", "-shared", "-fPIC")
 KMAX_CANDIDATES = (320, 384, 256, 512, 192, 128)   # Eigen's largest kc, most likely first
 PROBE_ROWS = (8, 256)     # XLA matmuls the kernel must equal: the engine's, the trainer's
 
@@ -67,60 +62,13 @@ def candidates(k: int) -> list[tuple[int, ...]]:
   return out
 
 
-def _cache_dir() -> pathlib.Path:
-  return pathlib.Path(os.environ.get("GLM5_JAX_CACHE",
-                                     pathlib.Path.home() / ".cache" / "glm5_jax"))
-
-
-def _cpu_flags() -> str:
-  try:
-    with open("/proc/cpuinfo") as f:
-      return next((line for line in f if line.startswith(("flags", "Features"))), "")
-  except OSError:
-    return ""
-
-
-def build() -> pathlib.Path:
-  """The compiled library (built once per source, compiler, jax and CPU; an atomic rename
-  makes concurrent builds safe). Raises OSError / CalledProcessError on failure."""
-  cxx = shutil.which(os.environ.get("CXX", "g++"))
-  if cxx is None:
-    raise OSError(f"no C++ compiler ({os.environ.get('CXX', 'g++')}) on PATH")
-  include = jax.ffi.include_dir()
-  version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-  key = hashlib.sha256("\0".join(
-      [SOURCE.read_text(), *FLAGS, include, version, jax.__version__, _cpu_flags()]).encode())
-  out = _cache_dir() / f"stream_matmul-{key.hexdigest()[:16]}.so"
-  if not out.exists():
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
-    subprocess.run([cxx, *FLAGS, "-isystem", include, str(SOURCE), "-o", str(tmp)],
-                   check=True, capture_output=True, text=True)
-    os.replace(tmp, out)
-  return out
-
-
 @functools.lru_cache(maxsize=None)
 def available() -> bool:
-  """Whether the kernel is registered with XLA:CPU (built and loaded on first call)."""
-  if jax.default_backend() != "cpu":
-    return False
-  try:
-    lib = ctypes.cdll.LoadLibrary(str(build()))
-  except subprocess.CalledProcessError as e:
-    logging.warning("stream_matmul: the C++ build failed, XLA's matmul is used:\n%s",
-                    e.stderr)
-    return False
-  except OSError as e:
-    logging.warning("stream_matmul: %s; XLA's matmul is used", e)
-    return False
-  jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.Glm5StreamMatmul),
-                              platform="cpu")
-  jax.ffi.register_ffi_target(GROUPED_TARGET, jax.ffi.pycapsule(lib.Glm5StreamGroupedMatmul),
-                              platform="cpu")
-  jax.ffi.register_ffi_target(BATCHED_TARGET, jax.ffi.pycapsule(lib.Glm5BatchedMatmul),
-                              platform="cpu")
-  return True
+  """Whether the kernel is registered with XLA:CPU (built and loaded on first call,
+  `cpu_ffi.load`)."""
+  return cpu_ffi.load(SOURCE, ((TARGET, "Glm5StreamMatmul"),
+                               (GROUPED_TARGET, "Glm5StreamGroupedMatmul"),
+                               (BATCHED_TARGET, "Glm5BatchedMatmul")))
 
 
 def _checked_kc(x, w_rkn, kc: int | None) -> int:

@@ -31,7 +31,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from glm5_jax import cpu_dsa
 from glm5_jax import sharding as shd
+from glm5_jax.nn import kv_cache
 from glm5_jax.padding import add_rows, chunks, pad_to_multiple, rows, set_rows, unchunk
 from pallas_kernels import lightning_indexer
 from pallas_kernels import sparse_attention
@@ -43,7 +45,7 @@ _KL_EPS = 1e-10  # Megatron `compute_dsa_indexer_loss`
 # --------------------------------------------------------------------------------------
 
 def topk_indices(q, k, w, topk, *, impl, interpret, chunk_size, start=None, backend=None,
-                 limit=None, einsum=None):
+                 limit=None, einsum=None, top_k=None):
   """`lightning_indexer.topk_indices`, sharded over the batch axes for `impl="pallas"`.
 
   start: optional int32 [b, t]; limit: optional int32 [t] (every row alike) or
@@ -51,7 +53,7 @@ def topk_indices(q, k, w, topk, *, impl, interpret, chunk_size, start=None, back
   """
   call = lambda q, k, w, start, limit: lightning_indexer.topk_indices(
       q, k, w, topk, impl=impl, interpret=interpret, chunk_size=chunk_size, start=start,
-      backend=backend, limit=limit, einsum=einsum)
+      backend=backend, limit=limit, einsum=einsum, top_k=top_k)
   mesh = shd.active_mesh()
   if impl != "pallas" or mesh is None:
     return call(q, k, w, start, limit)
@@ -77,6 +79,36 @@ def sparse_mla(q, kv, indices, *, v_dim, scale, impl, interpret, chunk_size, bac
   fn = jax.shard_map(call, in_specs=(P(bat, None, heads), by_batch, by_batch),
                      out_specs=(P(bat, None, heads), P(bat, None, heads)), check_vma=False)
   return fn(q, kv, indices)
+
+
+PAGED_MAX_QUERIES = 8     # `sparse_mla_paged`'s queries per sequence: decode and verify steps
+
+
+def sparse_mla_paged(cfg, q_abs, kv_pool, layer, read_bs, indices):
+  """`sparse_mla`'s out [b, t, h, c] over a paged cache (nn/kv_cache.py: pool [L, N, c+p] at
+  `layer`, or [N, c+p] with layer None; read_bs [b, s] each position's pool row), for the CPU
+  engine's decode steps: the selected rows read straight from the pool by
+  glm5_jax/cpu_dsa.py's products, the same numbers. None where that path does not apply
+  (another impl, a sharded or non-float32 pool, more than PAGED_MAX_QUERIES queries per
+  sequence, or the kernels not exact at these shapes): the caller reads the cache and calls
+  `sparse_mla`. A prefill chunk keeps XLA's path: with `small`'s 32-token chunks through
+  the kernels, their outputs equalled XLA's in the same program, yet the engine's log-probs
+  moved by ~1e-6 (which op of the program moved was not found)."""
+  b, t = q_abs.shape[:2]
+  c, s = cfg.kv_lora_rank, read_bs.shape[1]
+  if (cfg.attention_impl != "xla" or kv_pool.dtype != jnp.float32
+      or q_abs.dtype != jnp.float32 or t > PAGED_MAX_QUERIES
+      or kv_cache.request_axes(kv_pool.shape[-2], b) is not None):
+    return None
+  kcs = cpu_dsa.sparse_kc(tuple(q_abs.shape), indices.shape[-1], kv_pool.shape[-2],
+                          kv_pool.shape[-1], s, c)
+  if kcs is None:
+    return None
+  if layer is None:
+    kv_pool, layer = kv_pool[None], 0
+  out, _ = cpu_dsa.sparse_mla(q_abs, kv_pool, layer, read_bs, indices, v_dim=c,
+                              scale=cfg.softmax_scale, kcs=kcs)
+  return out
 
 
 # --------------------------------------------------------------------------------------

@@ -26,10 +26,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from glm5_jax import cpu_dsa
 from glm5_jax.nn import dsa
+from glm5_jax.nn import kv_cache
 from glm5_jax.nn import norms
 from glm5_jax.nn import params as P
 from glm5_jax.nn import rope
+from pallas_kernels.lightning_indexer import xla as indexer_xla
 
 
 class Indexer(nn.Module):
@@ -66,15 +69,36 @@ def num_slots(index_topk: int, s: int) -> int:
   return min(index_topk, s)
 
 
-def select_topk(cfg, q, k, w, doc_start=None, limit=None, einsum=None):
+def select_topk(cfg, q, k, w, doc_start=None, limit=None, einsum=None, top_k=None):
   """int32 [b, t, num_slots(index_topk, s)] deterministic causal top-k (see pallas_kernels).
 
   doc_start [b, t]: first key of each query's document (packed rows); keys of
   other documents are never selected. limit [t]: last visible key of each query
   (default causal; context parallelism passes each query's natural position). einsum:
-  what computes the scores' products (the "xla" impl; default `jnp.einsum`).
+  what computes the scores' products, top_k what selects (the "xla" impl; defaults
+  `jnp.einsum`, `lax.top_k`).
   """
   return dsa.topk_indices(
       q, k, w, num_slots(cfg.index_topk, k.shape[1]), impl=cfg.attention_impl,
       interpret=None, chunk_size=cfg.attention_chunk_size,
-      start=doc_start, limit=limit, einsum=einsum)
+      start=doc_start, limit=limit, einsum=einsum, top_k=top_k)
+
+
+def select_topk_paged(cfg, q, w, keys_pool, layer, read_bs, limit_bt, doc_start=None):
+  """`select_topk` over each sequence's keys in a paged cache (nn/kv_cache.py: pool [L, N,
+  d_i] at `layer`, or [N, d_i] with layer None; read_bs [b, s] the pool row of each
+  position), for the CPU engine: the scores straight from the pool at the visible positions
+  (glm5_jax/cpu_dsa.py `paged_scores`, no gather of the keys), the top-k by
+  `cpu_dsa.top_k`. The same indices as `select_topk` over `kv_cache.read`'s keys.
+  None where that path does not apply (another impl, a sharded pool, or the kernel not
+  exact at these shapes): the caller reads the keys and calls `select_topk`."""
+  s = read_bs.shape[1]
+  if (cfg.attention_impl != "xla" or keys_pool.dtype != jnp.float32
+      or kv_cache.request_axes(keys_pool.shape[-2], read_bs.shape[0]) is not None
+      or not cpu_dsa.paged_exact(tuple(q.shape), keys_pool.shape[-2], s)):
+    return None
+  if layer is None:
+    keys_pool, layer = keys_pool[None], 0
+  scores = cpu_dsa.paged_scores(q, w, keys_pool, layer, read_bs, limit_bt)
+  return indexer_xla.deterministic_topk(scores, limit_bt, num_slots(cfg.index_topk, s),
+                                        doc_start, cpu_dsa.top_k)

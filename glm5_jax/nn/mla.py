@@ -25,6 +25,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from glm5_jax import cpu_dsa
 from glm5_jax import numerics
 from glm5_jax import sharding as shd
 from glm5_jax import stream_matmul
@@ -149,24 +150,37 @@ def mla_sparse_attention(cfg, q_nope, q_rope, kv, w_uk, w_uv, indices_btk):
 
 
 def attend_cache(cfg, q_abs, q_i, w_i, doc_start, prev_indices, read_bs, limit_bt, kv_pool,
-                 k_idx_pool, layer, einsum=jnp.einsum):
+                 k_idx_pool, layer, cpu=False):
   """Absorbed queries over each sequence's view of the cache (nn/kv_cache.py), query i
   seeing positions 0 .. limit[b, i]: (u [b, t, h, c], before W_UV; the top-k indices
   [b, t, k] of sparse attention, or None). q_i, w_i: the indexer's queries and weights
-  (None on a "shared" layer, which reuses prev_indices). einsum: what computes the
-  indexer's and sparse attention's products."""
-  kv = kv_cache.read(kv_pool, read_bs, layer).astype(q_abs.dtype)
+  (None on a "shared" layer, which reuses prev_indices). cpu: the CPU engine's kernels (a
+  streamed forward), the same numbers: the per-request products through
+  `stream_matmul.einsum`; the indexer through `indexer.select_topk_paged` (its scores
+  straight from the paged keys, glm5_jax/cpu_dsa.py) and sparse attention through
+  `dsa.sparse_mla_paged` (the selected rows straight from the pool) where exact at these
+  shapes, else over the gathered cache with the CPU top-k."""
+  einsum = stream_matmul.einsum if cpu else jnp.einsum
   c = cfg.kv_lora_rank
   if cfg.attention_type == "dense":
+    kv = kv_cache.read(kv_pool, read_bs, layer).astype(q_abs.dtype)
     # Few queries over a long cache: the absorbed (MQA) form reads the latent rows once.
     mask_bts = jnp.arange(kv.shape[1])[None, None, :] <= limit_bt[..., None]
     return absorbed_latent(q_abs, kv, c, mask_bts, cfg.softmax_scale), None
   indices = prev_indices
-  if q_i is not None:
+  if q_i is not None and cpu:
+    indices = indexer_lib.select_topk_paged(cfg, q_i, w_i, k_idx_pool, layer, read_bs,
+                                            limit_bt, doc_start)
+  if q_i is not None and (not cpu or indices is None):
     k_i = kv_cache.read(k_idx_pool, read_bs, layer)
-    indices = indexer_lib.select_topk(cfg, q_i, k_i, w_i, doc_start, limit_bt, einsum)
+    indices = indexer_lib.select_topk(cfg, q_i, k_i, w_i, doc_start, limit_bt, einsum,
+                                      cpu_dsa.top_k if cpu else None)
   if indices is None:
     raise ValueError("a 'shared' indexer layer needs the previous full layer's top-k")
+  u = dsa.sparse_mla_paged(cfg, q_abs, kv_pool, layer, read_bs, indices) if cpu else None
+  if u is not None:
+    return u, indices
+  kv = kv_cache.read(kv_pool, read_bs, layer).astype(q_abs.dtype)
   u, _ = dsa.sparse_mla(q_abs, kv, indices, v_dim=c, scale=cfg.softmax_scale,
                         impl=cfg.attention_impl, interpret=None,
                         chunk_size=cfg.attention_chunk_size, einsum=einsum)
@@ -314,12 +328,14 @@ class MLA(nn.Module):
                                                                inputs.sin)
       new_cache["k_idx"] = kv_cache.write(cache["k_idx"], k_i, idx.write_bt, at)
     # A streamed forward (the CPU engine) computes the per-head and per-request products
-    # with the batched kernel: the same numbers, without XLA's GEMM call per product.
-    einsum = stream_matmul.einsum if self.has_variable(P.STREAM_W, "w_uk") else jnp.einsum
+    # with the batched kernel, and the indexer with the CPU ones: the same numbers, without
+    # XLA's GEMM call per product, its gathers of the keys or its slow TopK.
+    streamed = self.has_variable(P.STREAM_W, "w_uk")
+    einsum = stream_matmul.einsum if streamed else jnp.einsum
     q_abs = absorb_query(q_nope, q_rope, w_uk, einsum)
     u, indices = mirrored_lanes(
         lambda *lanes: attend_cache(cfg, *lanes, new_cache["kv"], new_cache.get("k_idx"), at,
-                                    einsum),
+                                    streamed),
         (q_abs, q_i, w_i, inputs.doc_start, prev_indices, idx.read_bs, idx.limit_bt))
     o = einsum("bthc,chv->bthv", u, w_uv)
     out = P.dense(self, "wo", o, wo.astype(jnp.dtype(cfg.dtype)))

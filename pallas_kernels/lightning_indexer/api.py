@@ -38,7 +38,7 @@ def _check_limit(limit, b: int, t: int):
 
 def topk_indices(q, k, w, topk: int, *, impl: str = "xla", interpret: bool | None = False,
                  chunk_size: int = 512, start=None, backend: str | None = None, limit=None,
-                 einsum=None):
+                 einsum=None, top_k=None):
   """Top-k key positions per query by lightning-indexer score.
 
   Args:
@@ -60,6 +60,8 @@ def topk_indices(q, k, w, topk: int, *, impl: str = "xla", interpret: bool | Non
       positions). Default: causal, `s - t + i`. Both impls take it.
     einsum: for "xla", what computes the queries' products with the keys (default
       `jnp.einsum`; see `xla.topk_indices_xla`).
+    top_k: for "xla", what selects the top-k (default XLA's `lax.top_k`; see
+      `xla.deterministic_topk`).
 
   Returns:
     int32 [b, t, topk]: for query i of row b the keys
@@ -73,7 +75,8 @@ def topk_indices(q, k, w, topk: int, *, impl: str = "xla", interpret: bool | Non
   _check_limit(limit, *q.shape[:2])
   if impl == "xla":
     return xla.topk_indices_xla(q, k, w, topk, chunk_size=chunk_size, start=start,
-                                limit=limit, einsum=einsum or jnp.einsum)
+                                limit=limit, einsum=einsum or jnp.einsum,
+                                top_k=top_k)
   if impl == "pallas":
     from pallas_kernels.lightning_indexer import kernel  # pylint: disable=g-import-not-at-top
     return kernel.topk_indices(q, k, w, topk, start=start, interpret=interpret,

@@ -52,7 +52,7 @@ def causal_limit(t: int, s: int):
   return jnp.arange(t, dtype=jnp.int32) + (s - t)
 
 
-def deterministic_topk(scores_bts, limit, topk: int, start_bt=None):
+def deterministic_topk(scores_bts, limit, topk: int, start_bt=None, top_k=None):
   """Top-k over keys start[b, i] <= j <= limit[(b,) i], ties -> lower j, -1 where fewer exist.
 
   Args:
@@ -63,6 +63,9 @@ def deterministic_topk(scores_bts, limit, topk: int, start_bt=None):
     topk: number of slots.
     start_bt: optional [b, t] int32, first visible key per query (packed
       documents: the query's document start); default 0.
+    top_k: what selects (`lax.top_k`'s signature and results; default XLA's); a
+      forward-only caller may pass one with the same results, e.g. the CPU inference
+      engine's kernel (glm5_jax/cpu_dsa.py).
 
   Returns:
     int32 [b, t, topk] key positions, descending score (lax.top_k's order:
@@ -82,7 +85,7 @@ def deterministic_topk(scores_bts, limit, topk: int, start_bt=None):
   masked = jnp.where(visible & ~jnp.isnan(scores), scores, -jnp.inf)
   k_eff = min(topk, s)
   # lax.top_k is stable: among equal values the lower index comes first.
-  vals, idx = _top_k(masked, k_eff)
+  vals, idx = (top_k or _top_k)(masked, k_eff)
   idx = jnp.where(vals > -jnp.inf, idx.astype(jnp.int32), -1)
   if k_eff < topk:
     pad = jnp.full(idx.shape[:-1] + (topk - k_eff,), -1, jnp.int32)
@@ -107,7 +110,7 @@ def _top_k(x, k: int):
 
 
 def topk_indices_xla(q, k, w, topk: int, *, chunk_size: int = 512, start=None,
-                     limit=None, einsum=jnp.einsum):
+                     limit=None, einsum=jnp.einsum, top_k=None):
   """Chunked jnp lightning-indexer top-k (the `impl="xla"` path).
 
   Args:
@@ -124,6 +127,7 @@ def topk_indices_xla(q, k, w, topk: int, *, chunk_size: int = 512, start=None,
     einsum: computes the queries' products with the keys (`jnp.einsum`'s signature; a
       forward-only caller may pass one with the same numbers, e.g. the CPU inference
       engine's kernel).
+    top_k: what selects the top-k (see `deterministic_topk`).
 
   Returns:
     int32 [b, t, topk].
@@ -145,7 +149,7 @@ def topk_indices_xla(q, k, w, topk: int, *, chunk_size: int = 512, start=None,
   def one_chunk(args):
     q_bcjd, w_bcj, limit_c, start_bc = args
     return deterministic_topk(index_scores(q_bcjd, k, w_bcj, einsum), limit_c, topk,
-                              start_bc)
+                              start_bc, top_k)
 
   idx = jax.lax.map(one_chunk, (q_c, w_c, limit, s_c))  # [n, b, c, topk]
   return idx.swapaxes(0, 1).reshape(b, n_chunks * c, topk)[:, :t]

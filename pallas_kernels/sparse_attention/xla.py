@@ -38,6 +38,18 @@ def _attend_chunk(q_bchd, kv_bsd, idx_bck, v_dim: int, scale: float, dtype=None,
   rows_bckd = _gather_rows(kv_bsd, idx_bck).astype(dtype or kv_bsd.dtype)
   logits = einsum("bchd,bckd->bchk", q_bchd, rows_bckd,
                   preferred_element_type=jnp.float32) * scale
+  values = lambda p: einsum("bchk,bckv->bchv", p, rows_bckd[..., :v_dim],
+                            preferred_element_type=jnp.float32)
+  return attend_logits(logits, idx_bck, values, q_bchd.dtype)
+
+
+def attend_logits(logits_bchk, idx_bck, values, dtype):
+  """(out [b, c, h, v] dtype, lse [b, c, h] float32) from the scaled logits of the selected
+  slots: their masked softmax (an empty slot, -1, masked; a query with none gives out 0 and
+  lse -inf), then `values(p)`: the float32 products of p [b, c, h, k] (dtype) with the slots'
+  value rows. The part of `_attend_chunk` after the logits, shared with the CPU engine's
+  paged products (glm5_jax/cpu_dsa.py)."""
+  logits = logits_bchk
   valid_bck = idx_bck >= 0
   any_valid = jnp.any(valid_bck, axis=-1)[:, :, None]
   # Empty rows: logits left finite (0) so that neither lse nor its gradient is NaN.
@@ -45,10 +57,9 @@ def _attend_chunk(q_bchd, kv_bsd, idx_bck, v_dim: int, scale: float, dtype=None,
   logits = jnp.where(keep, jnp.where(valid_bck[:, :, None, :], logits, 0.0), -jnp.inf)
   lse_bch = jax.nn.logsumexp(logits, axis=-1)
   p = jnp.where(any_valid[..., None], jnp.exp(logits - lse_bch[..., None]), 0.0)
-  out = einsum("bchk,bckv->bchv", p.astype(q_bchd.dtype), rows_bckd[..., :v_dim],
-               preferred_element_type=jnp.float32)
+  out = values(p.astype(dtype))
   lse_bch = jnp.where(any_valid, lse_bch, -jnp.inf)
-  return out.astype(q_bchd.dtype), lse_bch
+  return out.astype(dtype), lse_bch
 
 
 def sparse_mla_xla(q, kv, indices, *, v_dim: int, scale: float, chunk_size: int = 256,

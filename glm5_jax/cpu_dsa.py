@@ -1,0 +1,197 @@
+"""DeepSeek Sparse Attention's decode on XLA:CPU, straight from the paged cache, with the
+numbers of the XLA path: the indexer's scores, its top-k, sparse attention's two products.
+
+The CPU engine's DSA, per cached layer and step (`small`, 16 requests at 1K context), went
+through XLA as: a gather of each request's indexer keys out of the paged pool, transposed
+for the product (~0.35 ms a layer), the per-request products over the whole block-table
+view (a power of two of positions: 2048 there, half of them past the context), the ReLU,
+the sum over heads, a mask, and `lax.top_k`, which XLA:CPU runs as a partial sort whose
+comparator converts both floats at every comparison (~1.8 ms for 16 rows of 1024); then
+a gather of the 256 selected cache rows per request, a transposed copy of them for the
+logits and a sliced one for the values. The C++ custom calls of `cpu_dsa.cc` replace them
+with:
+
+  1. `paged_scores`: for each query, I[s] = sum_j w[j] relu(q[j] . k[s]) (DeepSeek-V3.2 §2.1
+     eq. (1), `pallas_kernels/lightning_indexer/xla.py` `index_scores`) for the visible
+     positions only (s <= limit), reading each key row from the pool through the block
+     table. Each sum is one fused multiply-add chain from zero, over d and then over j in
+     order: XLA:CPU's order for these dots, so the scores are the same bits. `paged_exact`
+     checks that at each shape on seeded data before the engine uses it.
+  2. `top_k`: `lax.top_k`'s values and positions, bit for bit: each element ranked once as a
+     64-bit integer (the float's total order, then its position), the k smallest ranks
+     selected (`nth_element`), then sorted. A pure selection: descending in float32's total
+     order (-NaN < -inf < -0.0 < +0.0 < +inf < +NaN), equal values in ascending position.
+  3. `sparse_logits` and `sparse_values`: q . row and sum_k p[k] row[:v] over the selected
+     rows (`pallas_kernels/sparse_attention/xla.py`), each row read from the pool through
+     the block table, each output XLA's chain (from zero in blocks of kc, the blocks'
+     sums added in order: glm5_jax/stream_matmul.py); `sparse_kc` finds the blocks at each
+     shape on seeded data, or None. The masked softmax between them stays XLA's.
+
+Forward only (no derivative rules: the engine's decode step). Compiled on first use
+(`cpu_ffi.py`); where it is not available (no compiler, not on CPU) `top_k` is `lax.top_k`
+and `paged_exact` is False.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from glm5_jax import cpu_ffi
+from glm5_jax import stream_matmul
+from pallas_kernels.lightning_indexer import xla as indexer_xla
+from pallas_kernels.sparse_attention import xla as sparse_xla
+
+SOURCE = pathlib.Path(__file__).with_name("cpu_dsa.cc")
+TOPK_TARGET = "glm5_cpu_topk"
+PAGED_TARGET = "glm5_paged_index_scores"
+LOGITS_TARGET = "glm5_paged_sparse_logits"
+VALUES_TARGET = "glm5_paged_sparse_values"
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> bool:
+  """Whether the kernels are registered with XLA:CPU (built and loaded on first call)."""
+  return cpu_ffi.load(SOURCE, ((TOPK_TARGET, "Glm5TopK"),
+                               (PAGED_TARGET, "Glm5PagedIndexScores"),
+                               (LOGITS_TARGET, "Glm5PagedSparseLogits"),
+                               (VALUES_TARGET, "Glm5PagedSparseValues")))
+
+
+def top_k(x, k: int):
+  """(values [..., k], int32 positions [..., k]) of the k largest of each row of x [..., N]:
+  `jax.lax.top_k(x, k)` exactly (module docstring). float32 through the kernel where it is
+  available; any other dtype, or no kernel, `lax.top_k`. Not differentiable."""
+  if not 0 <= k <= x.shape[-1]:
+    raise ValueError(f"top_k: k must be in [0, {x.shape[-1]}] for x {x.shape}, got {k}")
+  if x.dtype != jnp.float32 or x.ndim == 0 or not available():
+    return jax.lax.top_k(x, k)
+  out = jax.ShapeDtypeStruct(x.shape[:-1] + (k,), jnp.float32)
+  call = jax.ffi.ffi_call(TOPK_TARGET, (out, out.update(dtype=jnp.int32)),
+                          vmap_method="broadcast_all")
+  return call(x)
+
+
+def paged_scores(q_btjd, w_btj, keys_lnd, layer, rows_bs, limit_bt):
+  """float32 [b, t, s]: the indexer's scores `index_scores(q, keys[layer][rows], w)` at the
+  positions s <= limit[b, t], 0 past it (hidden there: never selected). q [b, t, j, d] (scale
+  folded in), w [b, t, j], keys [L, N, d] the paged pool (float32), layer int32 [], rows
+  int32 [b, s] each position's pool row (out of range: clipped, as XLA's gather), limit
+  int32 [b, t]. Needs `available()`; equal to the XLA path's bits where `paged_exact`."""
+  b, t, j, d = q_btjd.shape
+  if (w_btj.shape != (b, t, j) or keys_lnd.ndim != 3 or keys_lnd.shape[2] != d
+      or rows_bs.ndim != 2 or rows_bs.shape[0] != b or limit_bt.shape != (b, t)):
+    raise ValueError(f"paged_scores: q [b, t, j, d], w [b, t, j], keys [L, N, d], rows "
+                     f"[b, s], limit [b, t]; got q {q_btjd.shape}, w {w_btj.shape}, keys "
+                     f"{keys_lnd.shape}, rows {rows_bs.shape}, limit {limit_bt.shape}")
+  if keys_lnd.shape[1] * d >= 2 ** 31:
+    raise ValueError(f"paged_scores: a layer of keys {keys_lnd.shape[1:]} is over 2^31 floats")
+  f32 = jnp.float32
+  call = jax.ffi.ffi_call(PAGED_TARGET, jax.ShapeDtypeStruct((b, t, rows_bs.shape[1]), f32))
+  return call(q_btjd.astype(f32), w_btj.astype(f32), keys_lnd.astype(f32),
+              jnp.asarray(layer, jnp.int32), rows_bs.astype(jnp.int32),
+              limit_bt.astype(jnp.int32))
+
+
+@functools.lru_cache(maxsize=None)
+def paged_exact(q_shape: tuple[int, ...], n_rows: int, s: int) -> bool:
+  """Whether `paged_scores` equals the XLA path (the pool's rows gathered, `index_scores`
+  with `jnp.einsum`) bit for bit at these shapes (q [b, t, j, d], a pool of n_rows rows, s
+  positions), on seeded random data with every position visible; False without the
+  kernel."""
+  if not available() or 0 in q_shape or n_rows == 0 or s == 0:
+    return False
+  b, t, j, d = q_shape
+  rng = np.random.default_rng(int.from_bytes(
+      hashlib.sha256(repr(("paged", q_shape, n_rows, s)).encode()).digest()[:8], "little"))
+  q = rng.standard_normal(q_shape, np.float32)
+  w = rng.standard_normal((b, t, j), np.float32)
+  keys = rng.standard_normal((2, n_rows, d), np.float32)
+  rows = rng.integers(0, n_rows, (b, s), dtype=np.int32)
+  limit = np.full((b, t), s - 1, np.int32)
+  with jax.ensure_compile_time_eval():     # also when first asked inside a trace
+    want = jax.jit(lambda q, w, k, r: indexer_xla.index_scores(q, k[1][r], w))(q, w, keys, rows)
+    got = jax.jit(paged_scores)(q, w, keys, 1, rows, limit)
+    return bool(np.array_equal(np.asarray(got), np.asarray(want)))
+
+
+def _check_sparse(name, x, keys, rows, idx):
+  if (x.ndim != 4 or keys.ndim != 3 or rows.ndim != 2 or idx.ndim != 3
+      or rows.shape[0] != x.shape[0] or idx.shape[:2] != x.shape[:2]):
+    raise ValueError(f"{name}: x [b, c, h, _], keys [L, N, w], rows [b, s], idx [b, c, k]; "
+                     f"got x {x.shape}, keys {keys.shape}, rows {rows.shape}, idx {idx.shape}")
+
+
+def sparse_logits(q_bchd, keys_lnw, layer, rows_bs, idx_bck, kc: int):
+  """float32 [b, c, h, k]: q[b, c, h] . row(b, idx[b, c, k])[:d], row(b, i) the pool row of
+  position max(i, 0) (`pallas_kernels/sparse_attention/xla.py` `_attend_chunk`'s logits,
+  unscaled), each a chain in blocks of kc (module docstring). Needs `available()`."""
+  _check_sparse("sparse_logits", q_bchd, keys_lnw, rows_bs, idx_bck)
+  out = jax.ShapeDtypeStruct((*q_bchd.shape[:3], idx_bck.shape[2]), jnp.float32)
+  return jax.ffi.ffi_call(LOGITS_TARGET, out)(
+      q_bchd.astype(jnp.float32), keys_lnw.astype(jnp.float32), jnp.asarray(layer, jnp.int32),
+      rows_bs.astype(jnp.int32), idx_bck.astype(jnp.int32), kc=np.int64(kc))
+
+
+def sparse_values(p_bchk, keys_lnw, layer, rows_bs, idx_bck, v_dim: int, kc: int):
+  """float32 [b, c, h, v_dim]: sum_k p[b, c, h, k] row(b, idx[b, c, k])[:v_dim] (as
+  `sparse_logits`), each a chain over k in blocks of kc. Needs `available()`."""
+  _check_sparse("sparse_values", p_bchk, keys_lnw, rows_bs, idx_bck)
+  out = jax.ShapeDtypeStruct((*p_bchk.shape[:3], v_dim), jnp.float32)
+  return jax.ffi.ffi_call(VALUES_TARGET, out)(
+      p_bchk.astype(jnp.float32), keys_lnw.astype(jnp.float32), jnp.asarray(layer, jnp.int32),
+      rows_bs.astype(jnp.int32), idx_bck.astype(jnp.int32), v_dim=np.int64(v_dim),
+      kc=np.int64(kc))
+
+
+@functools.lru_cache(maxsize=None)
+def sparse_kc(q_shape: tuple[int, ...], k: int, n_rows: int, width: int, s: int,
+              v_dim: int) -> tuple[int, int] | None:
+  """(kc of `sparse_logits`, kc of `sparse_values`) at which they equal XLA's einsums of the
+  gathered rows bit for bit at these shapes (q [b, c, h, d], k slots, a pool of n_rows rows
+  of `width`, s positions per sequence), on seeded data with some slots empty (-1); None if
+  no block size does, or without the kernels."""
+  if not available() or 0 in q_shape or 0 in (k, n_rows, s, v_dim) or v_dim > width:
+    return None
+  b, c, h, d = q_shape
+  rng = np.random.default_rng(int.from_bytes(hashlib.sha256(repr(
+      ("sparse", q_shape, k, n_rows, width, s, v_dim)).encode()).digest()[:8], "little"))
+  q = rng.standard_normal(q_shape, np.float32)
+  p = rng.random((b, c, h, k), np.float32)
+  keys = rng.standard_normal((2, n_rows, width), np.float32)
+  rows = rng.integers(0, n_rows, (b, s), dtype=np.int32)
+  idx = rng.integers(-1, s, (b, c, k), dtype=np.int32)
+  gathered = keys[1][rows][np.arange(b)[:, None, None], np.maximum(idx, 0)]   # [b, c, k, w]
+  f32 = jnp.float32
+  with jax.ensure_compile_time_eval():     # also when first asked inside a trace
+    want_l = np.asarray(jax.jit(lambda q, r: jnp.einsum(
+        "bchd,bckd->bchk", q, r[..., :d], preferred_element_type=f32))(q, gathered))
+    want_v = np.asarray(jax.jit(lambda p, r: jnp.einsum(
+        "bchk,bckv->bchv", p, r[..., :v_dim], preferred_element_type=f32))(p, gathered))
+    found = []
+    for name, n, fn, want in (
+        ("logits", d, lambda kc: sparse_logits(q, keys, 1, rows, idx, kc), want_l),
+        ("values", k, lambda kc: sparse_values(p, keys, 1, rows, idx, v_dim, kc), want_v)):
+      del name
+      kcs = [bounds[1] for bounds in stream_matmul.candidates(n)
+             if np.array_equal(np.asarray(jax.jit(lambda: fn(bounds[1]))()), want)]
+      if not kcs:
+        return None
+      found.append(kcs[0])
+  return tuple(found)
+
+
+def sparse_mla(q_bthd, keys_lnw, layer, rows_bs, idx_btk, *, v_dim: int, scale: float,
+               kcs: tuple[int, int]):
+  """`sparse_attention.xla.sparse_mla_xla`'s (out [b, t, h, v_dim], lse [b, t, h]) over a
+  paged cache: the logits and values by `sparse_logits` / `sparse_values` at `sparse_kc`'s
+  block sizes, the masked softmax between them XLA's (`attend_logits`): the same bits where
+  `sparse_kc` found them, for t at most the XLA path's chunk (one chunk there)."""
+  logits = sparse_logits(q_bthd, keys_lnw, layer, rows_bs, idx_btk, kcs[0]) * scale
+  values = lambda p: sparse_values(p, keys_lnw, layer, rows_bs, idx_btk, v_dim, kcs[1])
+  return sparse_xla.attend_logits(logits, idx_btk, values, q_bthd.dtype)
