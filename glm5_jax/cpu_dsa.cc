@@ -268,25 +268,39 @@ struct Sparse {
   std::atomic<int64_t> next{0}, done{0};
 };
 
+// The cache lines of a row of n floats toward L1 (the rows are scattered over the pool: the
+// hardware prefetcher does not see them coming).
+inline void Fetch(const float* row, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16)
+    __builtin_prefetch(row + i, 0, 3);
+}
+
 inline const float* SlotRow(const Sparse& p, int64_t b, int32_t i) {
   const int64_t pos = std::min<int64_t>(std::max<int32_t>(i, 0), p.S - 1);
   const int64_t r = std::min<int64_t>(std::max<int32_t>(p.rows[b * p.S + pos], 0), p.N - 1);
   return p.pool + r * p.W;
 }
 
+// Every slot's row of item (b, c), and the first 16 rows fetched ahead.
+void SlotRows(const Sparse& p, int64_t item, const float** row_k) {
+  const int64_t b = item / p.C;
+  for (int64_t k = 0; k < p.K; ++k) row_k[k] = SlotRow(p, b, p.idx[item * p.K + k]);
+  for (int64_t k = 0; k < std::min<int64_t>(16, p.K); ++k) Fetch(row_k[k], p.W);
+}
+
 #if defined(__AVX512F__)
 // logits[b, c, h, k] = q[b, c, h] . row(b, idx[b, c, k])[:D]: 16 slots' rows transposed into
 // L1 (kt[d] = their column d), then every head's chains over d.
-void LogitsItem(const Sparse& p, int64_t item, float* kt) {
-  const int64_t b = item / p.C;
+void LogitsItem(const Sparse& p, int64_t item, float* kt, const float** row_k) {
   const float* q = p.x + item * p.H * p.D;
-  const int32_t* idx = p.idx + item * p.K;
   float* out = p.out + item * p.H * p.K;
+  SlotRows(p, item, row_k);
   const __m512 zero = _mm512_setzero_ps();
   for (int64_t k0 = 0; k0 < p.K; k0 += 16) {
     const int64_t n = std::min<int64_t>(16, p.K - k0);
     const float* row[16];
-    for (int64_t i = 0; i < 16; ++i) row[i] = SlotRow(p, b, idx[k0 + std::min(i, n - 1)]);
+    for (int64_t i = 0; i < 16; ++i) row[i] = row_k[k0 + std::min(i, n - 1)];
+    for (int64_t i = k0 + 16; i < std::min(p.K, k0 + 32); ++i) Fetch(row_k[i], p.D);
     for (int64_t d0 = 0; d0 < p.D; d0 += 16) {
       const int64_t nd = std::min<int64_t>(16, p.D - d0);
       const __mmask16 md = static_cast<__mmask16>((1u << nd) - 1);
@@ -317,11 +331,10 @@ void LogitsItem(const Sparse& p, int64_t item, float* kt) {
 
 // out[b, c, h, :V] = sum_k p[b, c, h, k] row(b, idx[b, c, k])[:V]: 32 columns at a time, the
 // slots' rows in order, every head's chains.
-void ValuesItem(const Sparse& p, int64_t item, float*) {
-  const int64_t b = item / p.C;
+void ValuesItem(const Sparse& p, int64_t item, float*, const float** row_k) {
   const float* pr = p.x + item * p.H * p.K;
-  const int32_t* idx = p.idx + item * p.K;
   float* out = p.out + item * p.H * p.V;
+  SlotRows(p, item, row_k);
   const __m512 zero = _mm512_setzero_ps();
   for (int64_t v0 = 0; v0 < p.V; v0 += 32) {
     const int64_t nv = std::min<int64_t>(32, p.V - v0);
@@ -334,7 +347,8 @@ void ValuesItem(const Sparse& p, int64_t item, float*) {
       for (int64_t e0 = 0; e0 < p.K; e0 += p.kc) {
         for (int64_t hh = 0; hh < 8; ++hh) acc[hh][0] = acc[hh][1] = zero;
         for (int64_t k = e0; k < std::min(p.K, e0 + p.kc); ++k) {
-          const float* row = SlotRow(p, b, idx[k]) + v0;
+          if (v0 == 0 && h0 == 0 && k + 16 < p.K) Fetch(row_k[k + 16], p.V);
+          const float* row = row_k[k] + v0;
           const __m512 r0 = _mm512_maskz_loadu_ps(m0, row), r1 = _mm512_maskz_loadu_ps(m1, row + 16);
           for (int64_t hh = 0; hh < nh; ++hh) {
             const __m512 ph = _mm512_set1_ps(pr[(h0 + hh) * p.K + k]);
@@ -355,7 +369,7 @@ void ValuesItem(const Sparse& p, int64_t item, float*) {
   }
 }
 #else
-void LogitsItem(const Sparse& p, int64_t item, float*) {
+void LogitsItem(const Sparse& p, int64_t item, float*, const float**) {
   const int64_t b = item / p.C;
   for (int64_t h = 0; h < p.H; ++h)
     for (int64_t k = 0; k < p.K; ++k) {
@@ -371,7 +385,7 @@ void LogitsItem(const Sparse& p, int64_t item, float*) {
     }
 }
 
-void ValuesItem(const Sparse& p, int64_t item, float*) {
+void ValuesItem(const Sparse& p, int64_t item, float*, const float**) {
   const int64_t b = item / p.C;
   for (int64_t h = 0; h < p.H; ++h)
     for (int64_t v = 0; v < p.V; ++v) {
@@ -388,18 +402,19 @@ void ValuesItem(const Sparse& p, int64_t item, float*) {
 }
 #endif
 
-template <void (*Item)(const Sparse&, int64_t, float*)>
+template <void (*Item)(const Sparse&, int64_t, float*, const float**)>
 void WorkSparse(Sparse& p) {
   std::vector<float> buf(16 * p.D + 16);
+  std::vector<const float*> row_k(p.K);
   float* kt = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
   for (int64_t i; (i = p.next.fetch_add(1)) < p.B * p.C;) {
-    Item(p, i, kt);
+    Item(p, i, kt, row_k.data());
     p.done.fetch_add(1, std::memory_order_release);
   }
 }
 
 // Shared checks and threading of the two products; x_last: q's D (logits) or p's K (values).
-template <void (*Item)(const Sparse&, int64_t, float*)>
+template <void (*Item)(const Sparse&, int64_t, float*, const float**)>
 ffi::Error SparseRun(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x,
                      ffi::Buffer<ffi::F32>& keys, ffi::Buffer<ffi::S32>& layer,
                      ffi::Buffer<ffi::S32>& rows, ffi::Buffer<ffi::S32>& idx, float* out,
