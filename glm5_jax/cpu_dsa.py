@@ -15,8 +15,9 @@ with:
      eq. (1), `pallas_kernels/lightning_indexer/xla.py` `index_scores`) for the visible
      positions only (s <= limit), reading each key row from the pool through the block
      table. Each sum is one fused multiply-add chain from zero, over d and then over j in
-     order: XLA:CPU's order for these dots, so the scores are the same bits. `paged_exact`
-     checks that at each shape on seeded data before the engine uses it.
+     order: XLA:CPU's order for these dots, so the scores are the same bits (`nn/dsa.py`
+     `paged_scores_exact` checks that at each shape on seeded data before the engine uses
+     it).
   2. `top_k`: `lax.top_k`'s values and positions, bit for bit: each element ranked once as a
      64-bit integer (the float's total order, then its position), the k smallest ranks
      selected (`nth_element`), then sorted. A pure selection: descending in float32's total
@@ -24,18 +25,18 @@ with:
   3. `sparse_logits` and `sparse_values`: q . row and sum_k p[k] row[:v] over the selected
      rows (`pallas_kernels/sparse_attention/xla.py`), each row read from the pool through
      the block table, each output XLA's chain (from zero in blocks of kc, the blocks'
-     sums added in order: glm5_jax/stream_matmul.py); `sparse_kc` finds the blocks at each
-     shape on seeded data, or None. The masked softmax between them stays XLA's.
+     sums added in order: glm5_jax/stream_matmul.py; `nn/dsa.py` `sparse_kc` finds the
+     blocks at each shape on seeded data, or None). The masked softmax between them stays
+     XLA's (`nn/dsa.py` `sparse_mla_paged`).
 
 Forward only (no derivative rules: the engine's decode step). Compiled on first use
 (`cpu_ffi.py`); where it is not available (no compiler, not on CPU) `top_k` is `lax.top_k`
-and `paged_exact` is False.
+and the engine keeps XLA's path.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import pathlib
 
 import jax
@@ -43,9 +44,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from glm5_jax import cpu_ffi
-from glm5_jax import stream_matmul
-from pallas_kernels.lightning_indexer import xla as indexer_xla
-from pallas_kernels.sparse_attention import xla as sparse_xla
 
 SOURCE = pathlib.Path(__file__).with_name("cpu_dsa.cc")
 TOPK_TARGET = "glm5_cpu_topk"
@@ -82,7 +80,7 @@ def paged_scores(q_btjd, w_btj, keys_lnd, layer, rows_bs, limit_bt):
   positions s <= limit[b, t], 0 past it (hidden there: never selected). q [b, t, j, d] (scale
   folded in), w [b, t, j], keys [L, N, d] the paged pool (float32), layer int32 [], rows
   int32 [b, s] each position's pool row (out of range: clipped, as XLA's gather), limit
-  int32 [b, t]. Needs `available()`; equal to the XLA path's bits where `paged_exact`."""
+  int32 [b, t]. Needs `available()`."""
   b, t, j, d = q_btjd.shape
   if (w_btj.shape != (b, t, j) or keys_lnd.ndim != 3 or keys_lnd.shape[2] != d
       or rows_bs.ndim != 2 or rows_bs.shape[0] != b or limit_bt.shape != (b, t)):
@@ -96,28 +94,6 @@ def paged_scores(q_btjd, w_btj, keys_lnd, layer, rows_bs, limit_bt):
   return call(q_btjd.astype(f32), w_btj.astype(f32), keys_lnd.astype(f32),
               jnp.asarray(layer, jnp.int32), rows_bs.astype(jnp.int32),
               limit_bt.astype(jnp.int32))
-
-
-@functools.lru_cache(maxsize=None)
-def paged_exact(q_shape: tuple[int, ...], n_rows: int, s: int) -> bool:
-  """Whether `paged_scores` equals the XLA path (the pool's rows gathered, `index_scores`
-  with `jnp.einsum`) bit for bit at these shapes (q [b, t, j, d], a pool of n_rows rows, s
-  positions), on seeded random data with every position visible; False without the
-  kernel."""
-  if not available() or 0 in q_shape or n_rows == 0 or s == 0:
-    return False
-  b, t, j, d = q_shape
-  rng = np.random.default_rng(int.from_bytes(
-      hashlib.sha256(repr(("paged", q_shape, n_rows, s)).encode()).digest()[:8], "little"))
-  q = rng.standard_normal(q_shape, np.float32)
-  w = rng.standard_normal((b, t, j), np.float32)
-  keys = rng.standard_normal((2, n_rows, d), np.float32)
-  rows = rng.integers(0, n_rows, (b, s), dtype=np.int32)
-  limit = np.full((b, t), s - 1, np.int32)
-  with jax.ensure_compile_time_eval():     # also when first asked inside a trace
-    want = jax.jit(lambda q, w, k, r: indexer_xla.index_scores(q, k[1][r], w))(q, w, keys, rows)
-    got = jax.jit(paged_scores)(q, w, keys, 1, rows, limit)
-    return bool(np.array_equal(np.asarray(got), np.asarray(want)))
 
 
 def _check_sparse(name, x, keys, rows, idx):
@@ -147,51 +123,3 @@ def sparse_values(p_bchk, keys_lnw, layer, rows_bs, idx_bck, v_dim: int, kc: int
       p_bchk.astype(jnp.float32), keys_lnw.astype(jnp.float32), jnp.asarray(layer, jnp.int32),
       rows_bs.astype(jnp.int32), idx_bck.astype(jnp.int32), v_dim=np.int64(v_dim),
       kc=np.int64(kc))
-
-
-@functools.lru_cache(maxsize=None)
-def sparse_kc(q_shape: tuple[int, ...], k: int, n_rows: int, width: int, s: int,
-              v_dim: int) -> tuple[int, int] | None:
-  """(kc of `sparse_logits`, kc of `sparse_values`) at which they equal XLA's einsums of the
-  gathered rows bit for bit at these shapes (q [b, c, h, d], k slots, a pool of n_rows rows
-  of `width`, s positions per sequence), on seeded data with some slots empty (-1); None if
-  no block size does, or without the kernels."""
-  if not available() or 0 in q_shape or 0 in (k, n_rows, s, v_dim) or v_dim > width:
-    return None
-  b, c, h, d = q_shape
-  rng = np.random.default_rng(int.from_bytes(hashlib.sha256(repr(
-      ("sparse", q_shape, k, n_rows, width, s, v_dim)).encode()).digest()[:8], "little"))
-  q = rng.standard_normal(q_shape, np.float32)
-  p = rng.random((b, c, h, k), np.float32)
-  keys = rng.standard_normal((2, n_rows, width), np.float32)
-  rows = rng.integers(0, n_rows, (b, s), dtype=np.int32)
-  idx = rng.integers(-1, s, (b, c, k), dtype=np.int32)
-  gathered = keys[1][rows][np.arange(b)[:, None, None], np.maximum(idx, 0)]   # [b, c, k, w]
-  f32 = jnp.float32
-  with jax.ensure_compile_time_eval():     # also when first asked inside a trace
-    want_l = np.asarray(jax.jit(lambda q, r: jnp.einsum(
-        "bchd,bckd->bchk", q, r[..., :d], preferred_element_type=f32))(q, gathered))
-    want_v = np.asarray(jax.jit(lambda p, r: jnp.einsum(
-        "bchk,bckv->bchv", p, r[..., :v_dim], preferred_element_type=f32))(p, gathered))
-    found = []
-    for name, n, fn, want in (
-        ("logits", d, lambda kc: sparse_logits(q, keys, 1, rows, idx, kc), want_l),
-        ("values", k, lambda kc: sparse_values(p, keys, 1, rows, idx, v_dim, kc), want_v)):
-      del name
-      kcs = [bounds[1] for bounds in stream_matmul.candidates(n)
-             if np.array_equal(np.asarray(jax.jit(lambda: fn(bounds[1]))()), want)]
-      if not kcs:
-        return None
-      found.append(kcs[0])
-  return tuple(found)
-
-
-def sparse_mla(q_bthd, keys_lnw, layer, rows_bs, idx_btk, *, v_dim: int, scale: float,
-               kcs: tuple[int, int]):
-  """`sparse_attention.xla.sparse_mla_xla`'s (out [b, t, h, v_dim], lse [b, t, h]) over a
-  paged cache: the logits and values by `sparse_logits` / `sparse_values` at `sparse_kc`'s
-  block sizes, the masked softmax between them XLA's (`attend_logits`): the same bits where
-  `sparse_kc` found them, for t at most the XLA path's chunk (one chunk there)."""
-  logits = sparse_logits(q_bthd, keys_lnw, layer, rows_bs, idx_btk, kcs[0]) * scale
-  values = lambda p: sparse_values(p, keys_lnw, layer, rows_bs, idx_btk, v_dim, kcs[1])
-  return sparse_xla.attend_logits(logits, idx_btk, values, q_bthd.dtype)

@@ -140,7 +140,7 @@ def test_paged_scores_equal_xlas_at_the_engines_shapes():
   """The probe finds XLA's bits at `small`'s batch-16 and lone-request decode shapes."""
   cfg = config_lib.get_preset("small")
   for lanes in (1, 16):
-    assert cpu_dsa.paged_exact((lanes, 1, cfg.index_n_heads, cfg.index_head_dim), 4096,
+    assert dsa.paged_scores_exact((lanes, 1, cfg.index_n_heads, cfg.index_head_dim), 4096,
                                    2048)
 
 

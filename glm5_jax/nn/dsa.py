@@ -26,13 +26,16 @@ GSPMD partitions jnp code by itself, so it is called directly.
 from __future__ import annotations
 
 import functools
+import hashlib
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+import numpy as np
 
 from glm5_jax import cpu_dsa
 from glm5_jax import sharding as shd
+from glm5_jax import stream_matmul
 from glm5_jax.nn import kv_cache
 from glm5_jax.padding import add_rows, chunks, pad_to_multiple, rows, set_rows, unchunk
 from pallas_kernels import lightning_indexer
@@ -79,36 +82,6 @@ def sparse_mla(q, kv, indices, *, v_dim, scale, impl, interpret, chunk_size, bac
   fn = jax.shard_map(call, in_specs=(P(bat, None, heads), by_batch, by_batch),
                      out_specs=(P(bat, None, heads), P(bat, None, heads)), check_vma=False)
   return fn(q, kv, indices)
-
-
-PAGED_MAX_QUERIES = 8     # `sparse_mla_paged`'s queries per sequence: decode and verify steps
-
-
-def sparse_mla_paged(cfg, q_abs, kv_pool, layer, read_bs, indices):
-  """`sparse_mla`'s out [b, t, h, c] over a paged cache (nn/kv_cache.py: pool [L, N, c+p] at
-  `layer`, or [N, c+p] with layer None; read_bs [b, s] each position's pool row), for the CPU
-  engine's decode steps: the selected rows read straight from the pool by
-  glm5_jax/cpu_dsa.py's products, the same numbers. None where that path does not apply
-  (another impl, a sharded or non-float32 pool, more than PAGED_MAX_QUERIES queries per
-  sequence, or the kernels not exact at these shapes): the caller reads the cache and calls
-  `sparse_mla`. A prefill chunk keeps XLA's path: with `small`'s 32-token chunks through
-  the kernels, their outputs equalled XLA's in the same program, yet the engine's log-probs
-  moved by ~1e-6 (which op of the program moved was not found)."""
-  b, t = q_abs.shape[:2]
-  c, s = cfg.kv_lora_rank, read_bs.shape[1]
-  if (cfg.attention_impl != "xla" or kv_pool.dtype != jnp.float32
-      or q_abs.dtype != jnp.float32 or t > PAGED_MAX_QUERIES
-      or kv_cache.request_axes(kv_pool.shape[-2], b) is not None):
-    return None
-  kcs = cpu_dsa.sparse_kc(tuple(q_abs.shape), indices.shape[-1], kv_pool.shape[-2],
-                          kv_pool.shape[-1], s, c)
-  if kcs is None:
-    return None
-  if layer is None:
-    kv_pool, layer = kv_pool[None], 0
-  out, _ = cpu_dsa.sparse_mla(q_abs, kv_pool, layer, read_bs, indices, v_dim=c,
-                              scale=cfg.softmax_scale, kcs=kcs)
-  return out
 
 
 # --------------------------------------------------------------------------------------
@@ -368,3 +341,119 @@ def _masked_mean(x_bt, mask_bt):
     return jnp.mean(x_bt)
   m = mask_bt.astype(jnp.float32)
   return jnp.sum(x_bt * m) / jnp.maximum(jnp.sum(m), 1.0)
+
+
+# --------------------------------------------------------------------------------------
+# The CPU engine's decode over a paged cache (glm5_jax/cpu_dsa.py's kernels, XLA's bits)
+# --------------------------------------------------------------------------------------
+
+def _probe_rng(*key):
+  return np.random.default_rng(int.from_bytes(
+      hashlib.sha256(repr(key).encode()).digest()[:8], "little"))
+
+
+@functools.lru_cache(maxsize=None)
+def paged_scores_exact(q_shape: tuple[int, ...], n_rows: int, s: int) -> bool:
+  """Whether `cpu_dsa.paged_scores` equals the XLA path (the pool's rows gathered,
+  `index_scores`) bit for bit at these shapes (q [b, t, j, d], a pool of n_rows rows, s
+  positions), on seeded random data with every position visible; False without the kernel.
+  (At batch 3 XLA:CPU sums these dots in another order: False there.)"""
+  if not cpu_dsa.available() or 0 in q_shape or n_rows == 0 or s == 0:
+    return False
+  b, t, j, d = q_shape
+  rng = _probe_rng("paged", q_shape, n_rows, s)
+  q = rng.standard_normal(q_shape, np.float32)
+  w = rng.standard_normal((b, t, j), np.float32)
+  keys = rng.standard_normal((2, n_rows, d), np.float32)
+  rows = rng.integers(0, n_rows, (b, s), dtype=np.int32)
+  limit = np.full((b, t), s - 1, np.int32)
+  with jax.ensure_compile_time_eval():     # also when first asked inside a trace
+    want = jax.jit(lambda q, w, k, r: lightning_indexer.index_scores(q, k[1][r], w))(
+        q, w, keys, rows)
+    got = jax.jit(cpu_dsa.paged_scores)(q, w, keys, 1, rows, limit)
+    return bool(np.array_equal(np.asarray(got), np.asarray(want)))
+
+
+def topk_indices_paged(q, w, keys_pool, layer, read_bs, limit_bt, topk: int, start=None):
+  """`topk_indices` (impl "xla") over each sequence's keys in a paged cache (nn/kv_cache.py:
+  pool [L, N, d_i] at `layer`, or [N, d_i] with layer None; read_bs [b, s] the pool row of
+  each position; limit_bt [b, t]), for the CPU engine: the scores straight from the pool at
+  the visible positions (`cpu_dsa.paged_scores`, no gather of the keys), the top-k by
+  `cpu_dsa.top_k`; the same indices. None where that does not apply (a non-float32 or
+  sharded pool, or `paged_scores_exact` False): the caller reads the keys."""
+  s = read_bs.shape[1]
+  if (keys_pool.dtype != jnp.float32
+      or kv_cache.request_axes(keys_pool.shape[-2], read_bs.shape[0]) is not None
+      or not paged_scores_exact(tuple(q.shape), keys_pool.shape[-2], s)):
+    return None
+  if layer is None:
+    keys_pool, layer = keys_pool[None], 0
+  scores = cpu_dsa.paged_scores(q, w, keys_pool, layer, read_bs, limit_bt)
+  return lightning_indexer.deterministic_topk(scores, limit_bt, topk, start, cpu_dsa.top_k)
+
+
+@functools.lru_cache(maxsize=None)
+def sparse_kc(q_shape: tuple[int, ...], k: int, n_rows: int, width: int, s: int,
+              v_dim: int) -> tuple[int, int] | None:
+  """(kc of `cpu_dsa.sparse_logits`, kc of `cpu_dsa.sparse_values`) at which they equal
+  XLA's einsums of the gathered rows bit for bit at these shapes (q [b, c, h, d], k slots,
+  a pool of n_rows rows of `width`, s positions per sequence), on seeded data with some
+  slots empty (-1); None if no block size does, or without the kernels."""
+  if not cpu_dsa.available() or 0 in q_shape or 0 in (k, n_rows, s, v_dim) or v_dim > width:
+    return None
+  b, c, h, d = q_shape
+  rng = _probe_rng("sparse", q_shape, k, n_rows, width, s, v_dim)
+  q = rng.standard_normal(q_shape, np.float32)
+  p = rng.random((b, c, h, k), np.float32)
+  keys = rng.standard_normal((2, n_rows, width), np.float32)
+  rows = rng.integers(0, n_rows, (b, s), dtype=np.int32)
+  idx = rng.integers(-1, s, (b, c, k), dtype=np.int32)
+  gathered = keys[1][rows][np.arange(b)[:, None, None], np.maximum(idx, 0)]   # [b, c, k, w]
+  f32 = jnp.float32
+  with jax.ensure_compile_time_eval():     # also when first asked inside a trace
+    want_l = np.asarray(jax.jit(lambda q, r: jnp.einsum(
+        "bchd,bckd->bchk", q, r[..., :d], preferred_element_type=f32))(q, gathered))
+    want_v = np.asarray(jax.jit(lambda p, r: jnp.einsum(
+        "bchk,bckv->bchv", p, r[..., :v_dim], preferred_element_type=f32))(p, gathered))
+    found = []
+    for n, fn, want in (
+        (d, lambda kc: cpu_dsa.sparse_logits(q, keys, 1, rows, idx, kc), want_l),
+        (k, lambda kc: cpu_dsa.sparse_values(p, keys, 1, rows, idx, v_dim, kc), want_v)):
+      kcs = [bounds[1] for bounds in stream_matmul.candidates(n)
+             if np.array_equal(np.asarray(jax.jit(lambda: fn(bounds[1]))()), want)]
+      if not kcs:
+        return None
+      found.append(kcs[0])
+  return tuple(found)
+
+
+PAGED_MAX_QUERIES = 8     # `sparse_mla_paged`'s queries per sequence: decode and verify steps
+
+
+def sparse_mla_paged(cfg, q_abs, kv_pool, layer, read_bs, indices):
+  """`sparse_mla`'s out [b, t, h, c] over a paged cache (nn/kv_cache.py: pool [L, N, c+p] at
+  `layer`, or [N, c+p] with layer None; read_bs [b, s] each position's pool row), for the CPU
+  engine's decode steps: the selected rows read straight from the pool by
+  glm5_jax/cpu_dsa.py's products at `sparse_kc`'s blocks, the masked softmax between them
+  XLA's (`attend_logits`): the same numbers. None where that path does not apply (another
+  impl, a sharded or non-float32 pool, more than PAGED_MAX_QUERIES queries per sequence, or
+  no `sparse_kc`): the caller reads the cache and calls `sparse_mla`. A prefill chunk keeps XLA's path: with `small`'s 32-token chunks through
+  the kernels, their outputs equalled XLA's in the same program, yet the engine's log-probs
+  moved by ~1e-6 (which op of the program moved was not found)."""
+  b, t = q_abs.shape[:2]
+  c, s = cfg.kv_lora_rank, read_bs.shape[1]
+  if (cfg.attention_impl != "xla" or kv_pool.dtype != jnp.float32
+      or q_abs.dtype != jnp.float32 or t > PAGED_MAX_QUERIES
+      or kv_cache.request_axes(kv_pool.shape[-2], b) is not None):
+    return None
+  kcs = sparse_kc(tuple(q_abs.shape), indices.shape[-1], kv_pool.shape[-2], kv_pool.shape[-1],
+                  s, c)
+  if kcs is None:
+    return None
+  if layer is None:
+    kv_pool, layer = kv_pool[None], 0
+  logits = cpu_dsa.sparse_logits(q_abs, kv_pool, layer, read_bs, indices, kcs[0])
+  values = lambda p: cpu_dsa.sparse_values(p, kv_pool, layer, read_bs, indices, c, kcs[1])
+  out, _ = sparse_attention.attend_logits(logits * cfg.softmax_scale, indices, values,
+                                          q_abs.dtype)
+  return out

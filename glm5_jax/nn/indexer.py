@@ -26,13 +26,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from glm5_jax import cpu_dsa
 from glm5_jax.nn import dsa
-from glm5_jax.nn import kv_cache
 from glm5_jax.nn import norms
 from glm5_jax.nn import params as P
 from glm5_jax.nn import rope
-from pallas_kernels.lightning_indexer import xla as indexer_xla
 
 
 class Indexer(nn.Module):
@@ -85,20 +82,11 @@ def select_topk(cfg, q, k, w, doc_start=None, limit=None, einsum=None, top_k=Non
 
 
 def select_topk_paged(cfg, q, w, keys_pool, layer, read_bs, limit_bt, doc_start=None):
-  """`select_topk` over each sequence's keys in a paged cache (nn/kv_cache.py: pool [L, N,
-  d_i] at `layer`, or [N, d_i] with layer None; read_bs [b, s] the pool row of each
-  position), for the CPU engine: the scores straight from the pool at the visible positions
-  (glm5_jax/cpu_dsa.py `paged_scores`, no gather of the keys), the top-k by
-  `cpu_dsa.top_k`. The same indices as `select_topk` over `kv_cache.read`'s keys.
-  None where that path does not apply (another impl, a sharded pool, or the kernel not
-  exact at these shapes): the caller reads the keys and calls `select_topk`."""
-  s = read_bs.shape[1]
-  if (cfg.attention_impl != "xla" or keys_pool.dtype != jnp.float32
-      or kv_cache.request_axes(keys_pool.shape[-2], read_bs.shape[0]) is not None
-      or not cpu_dsa.paged_exact(tuple(q.shape), keys_pool.shape[-2], s)):
+  """`select_topk` over each sequence's keys in a paged cache, for the CPU engine
+  (`dsa.topk_indices_paged`: the scores straight from the pool, glm5_jax/cpu_dsa.py): the
+  same indices as `select_topk` over `kv_cache.read`'s keys. None where that path does not
+  apply (another impl, or see `dsa.topk_indices_paged`): the caller reads the keys."""
+  if cfg.attention_impl != "xla":
     return None
-  if layer is None:
-    keys_pool, layer = keys_pool[None], 0
-  scores = cpu_dsa.paged_scores(q, w, keys_pool, layer, read_bs, limit_bt)
-  return indexer_xla.deterministic_topk(scores, limit_bt, num_slots(cfg.index_topk, s),
-                                        doc_start, cpu_dsa.top_k)
+  return dsa.topk_indices_paged(q, w, keys_pool, layer, read_bs, limit_bt,
+                                num_slots(cfg.index_topk, read_bs.shape[1]), doc_start)
