@@ -136,6 +136,12 @@ def kc(k: int, n: int) -> int | None:
 _block_size = kc   # for `matmul`, whose argument of that name hides it
 
 
+def probe_rng(*key):
+  """A numpy Generator seeded from `key`'s repr: a probe's data, the same on every run."""
+  return np.random.default_rng(int.from_bytes(
+      hashlib.sha256(repr(key).encode()).digest()[:8], "little"))
+
+
 def batched_matmul(a_gmk, b_gkn, kc: int | None = None):
   """y [G, M, N]: y[g] = a[g] @ b[g] for float32 a [G, M, K] and b [G, K, N], each output
   `matmul`'s fused multiply-add chain in k (blocks of `kc`; None: one block). For batches of
@@ -198,8 +204,7 @@ def einsum_kc(eq: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> in
   plan = _einsum_plan(eq, a_shape, b_shape)
   if plan is None or not available() or 0 in a_shape or 0 in b_shape:
     return None
-  rng = np.random.default_rng(int.from_bytes(
-      hashlib.sha256(repr((eq, a_shape, b_shape)).encode()).digest()[:8], "little"))
+  rng = probe_rng(eq, a_shape, b_shape)
   a = rng.standard_normal(a_shape, np.float32)
   b = rng.standard_normal(b_shape, np.float32)
   with jax.ensure_compile_time_eval():     # also when first asked inside a trace

@@ -26,7 +26,6 @@ GSPMD partitions jnp code by itself, so it is called directly.
 from __future__ import annotations
 
 import functools
-import hashlib
 
 import jax
 import jax.numpy as jnp
@@ -347,11 +346,6 @@ def _masked_mean(x_bt, mask_bt):
 # The CPU engine's decode over a paged cache (glm5_jax/cpu_dsa.py's kernels, XLA's bits)
 # --------------------------------------------------------------------------------------
 
-def _probe_rng(*key):
-  return np.random.default_rng(int.from_bytes(
-      hashlib.sha256(repr(key).encode()).digest()[:8], "little"))
-
-
 @functools.lru_cache(maxsize=None)
 def paged_scores_exact(q_shape: tuple[int, ...], n_rows: int, s: int) -> bool:
   """Whether `cpu_dsa.paged_scores` equals the XLA path (the pool's rows gathered,
@@ -361,7 +355,7 @@ def paged_scores_exact(q_shape: tuple[int, ...], n_rows: int, s: int) -> bool:
   if not cpu_dsa.available() or 0 in q_shape or n_rows == 0 or s == 0:
     return False
   b, t, j, d = q_shape
-  rng = _probe_rng("paged", q_shape, n_rows, s)
+  rng = stream_matmul.probe_rng("paged", q_shape, n_rows, s)
   q = rng.standard_normal(q_shape, np.float32)
   w = rng.standard_normal((b, t, j), np.float32)
   keys = rng.standard_normal((2, n_rows, d), np.float32)
@@ -402,7 +396,7 @@ def sparse_kc(q_shape: tuple[int, ...], k: int, n_rows: int, width: int, s: int,
   if not cpu_dsa.available() or 0 in q_shape or 0 in (k, n_rows, s, v_dim) or v_dim > width:
     return None
   b, c, h, d = q_shape
-  rng = _probe_rng("sparse", q_shape, k, n_rows, width, s, v_dim)
+  rng = stream_matmul.probe_rng("sparse", q_shape, k, n_rows, width, s, v_dim)
   q = rng.standard_normal(q_shape, np.float32)
   p = rng.random((b, c, h, k), np.float32)
   keys = rng.standard_normal((2, n_rows, width), np.float32)
@@ -419,11 +413,11 @@ def sparse_kc(q_shape: tuple[int, ...], k: int, n_rows: int, width: int, s: int,
     for n, fn, want in (
         (d, lambda kc: cpu_dsa.sparse_logits(q, keys, 1, rows, idx, kc), want_l),
         (k, lambda kc: cpu_dsa.sparse_values(p, keys, 1, rows, idx, v_dim, kc), want_v)):
-      kcs = [bounds[1] for bounds in stream_matmul.candidates(n)
-             if np.array_equal(np.asarray(jax.jit(lambda: fn(bounds[1]))()), want)]
-      if not kcs:
+      kc = next((bounds[1] for bounds in stream_matmul.candidates(n)
+                 if np.array_equal(np.asarray(jax.jit(lambda: fn(bounds[1]))()), want)), None)
+      if kc is None:
         return None
-      found.append(kcs[0])
+      found.append(kc)
   return tuple(found)
 
 
