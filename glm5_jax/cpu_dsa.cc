@@ -3,15 +3,16 @@
 //   Glm5TopK: `lax.top_k` of each row of x [..., N] (float32), values and positions. Its
 //     order, which XLA:CPU's TopK keeps: descending in float32's total order (-NaN < -inf <
 //     ... < -0.0 < +0.0 < ... < +inf < +NaN, by the bits), equal values in ascending
-//     position. Each element becomes one 64-bit rank, (the order's key, inverted) in the high
-//     half and the position in the low half, so ascending rank is that order and no two ranks
-//     are equal: a selection (nth_element) of the k smallest ranks, then a sort of those k.
-//     XLA:CPU runs a partial sort whose comparator converts both floats at every comparison:
-//     [16, 1024] rows, k = 256 (a decode step's indexer top-k at 1K context) took ~1.8 ms
-//     there and ~0.05 ms here.
+//     position. Each element becomes one 32-bit key (the order's, inverted: ascending key is
+//     that order); the k-th smallest key by a radix selection, then the keys below it and
+//     the first of those equal to it, in position order, sorted by a stable radix sort (ties
+//     keep ascending positions). XLA:CPU runs a partial sort whose comparator converts both
+//     floats at every comparison: [16, 2048] rows with 1K visible, k = 256 (a decode step's
+//     indexer top-k at 1K context), ~1.8 ms there, ~0.07 ms here (fresh rows each call).
 //   Glm5PagedIndexScores: the lightning indexer's scores over a paged key cache.
-//   Glm5PagedSparseLogits / Glm5PagedSparseValues: sparse attention's two products over the
-//     selected rows of a paged cache.
+//   Glm5PagedSparseLogits / Glm5RowValues: sparse attention's two products, the logits over
+//     the selected rows of a paged cache (which also writes those rows out, in slot order),
+//     the values over the rows so written (contiguous: read once from the scattered pool).
 // Rows or items go to the calling thread and XLA's intra-op thread pool when there are enough
 // of them.
 
@@ -22,6 +23,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -34,7 +36,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kMinSplit = 64 << 10;   // fewer elements in all: one thread
+constexpr int64_t kMinSplit = 16 << 10;   // fewer elements in all: one thread
 constexpr int64_t kRowsPerItem = 4;
 constexpr int64_t kMinPagedSplit = 1 << 20;   // fewer multiply-adds: one thread
 
@@ -49,20 +51,110 @@ void RunPool(ffi::ThreadPool& pool, int64_t threads, int64_t n_items, F work,
   while (done.load(std::memory_order_acquire) < n_items) std::this_thread::yield();
 }
 
-// Ascending rank = descending total order of the float, then ascending position.
-inline uint64_t Rank(float f, uint32_t pos) {
+// Ascending key = descending total order of the float (the order's unsigned key, inverted).
+inline uint32_t Key(float f) {
   uint32_t b;
   std::memcpy(&b, &f, sizeof(b));
-  const uint32_t key = (b & 0x80000000u) ? ~b : (b | 0x80000000u);   // unsigned total order
-  return (static_cast<uint64_t>(~key) << 32) | pos;
+  return ~((b & 0x80000000u) ? ~b : (b | 0x80000000u));
 }
 
-void Row(const float* x, int64_t N, int64_t k, float* v, int32_t* idx, uint64_t* rank) {
-  for (int64_t n = 0; n < N; ++n) rank[n] = Rank(x[n], static_cast<uint32_t>(n));
-  if (k < N) std::nth_element(rank, rank + k, rank + N);
-  std::sort(rank, rank + k);
+constexpr uint32_t kNegInfKey = 0xFF800000u;   // Key(-inf): keys below it rank above -inf
+
+// Per-thread buffers of `Row`: the row's keys, the selection's candidates and its (key,
+// position) pairs.
+struct Scratch {
+  std::vector<uint32_t> key, cand;
+  std::vector<uint64_t> sel, tmp;
+};
+
+// The k smallest keys of key[0, n) in ascending (key, position) order: the k-th smallest key
+// T by a radix selection (11 bits from the top over every key, then 11 and 10 over the keys
+// that share the bits found so far), every key below T and the first of those equal to T in
+// position order, then a stable radix sort (a byte at a time from the bottom; equal keys keep
+// ascending positions). Result: (key << 32 | position), k of them.
+const uint64_t* Smallest(Scratch& s, int64_t n, int64_t k) {
+  const uint32_t* key = s.key.data();
+  uint32_t t = 0xFFFFFFFFu;   // T; with k = n every key is at most 2^32 - 1: all taken
+  int64_t need = n;           // of the keys equal to T: how many are taken
+  if (k < n) {
+    uint32_t* cand = s.cand.data();
+    int64_t m = 0;
+    need = k;
+    uint32_t prefix = 0;
+    for (const int shift : {21, 10, 0}) {
+      const int bits = shift == 0 ? 10 : 11;
+      uint32_t hist[2048] = {};
+      if (m == 0 && shift == 21) {
+        for (int64_t i = 0; i < n; ++i) ++hist[key[i] >> 21];
+      } else {
+        for (int64_t i = 0; i < m; ++i) ++hist[(key[cand[i]] >> shift) & ((1u << bits) - 1)];
+      }
+      uint32_t d = 0;
+      for (; hist[d] < need; ++d) need -= hist[d];
+      prefix |= d << shift;
+      // The keys that share the bits found so far, in position order.
+      const uint32_t top = shift == 0 ? 0xFFFFFFFFu : ~((1u << shift) - 1);
+      if (shift == 21) {
+        for (int64_t i = 0; i < n; ++i) {
+          cand[m] = static_cast<uint32_t>(i);
+          m += (key[i] & top) == prefix;
+        }
+      } else {
+        int64_t w = 0;
+        for (int64_t i = 0; i < m; ++i) {
+          cand[w] = cand[i];
+          w += (key[cand[i]] & top) == prefix;
+        }
+        m = w;
+      }
+    }
+    t = prefix;
+  }
+  uint64_t* sel = s.sel.data();
+  int64_t m = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const bool take = key[i] < t || (key[i] == t && need > 0);
+    need -= key[i] == t && take;
+    sel[m] = (uint64_t{key[i]} << 32) | static_cast<uint32_t>(i);
+    m += take;
+  }
+  uint64_t* tmp = s.tmp.data();
+  for (int shift = 32; shift < 64; shift += 8) {
+    uint32_t count[257] = {};
+    for (int64_t i = 0; i < m; ++i) ++count[((sel[i] >> shift) & 0xFF) + 1];
+    if (count[((sel[0] >> shift) & 0xFF) + 1] == m) continue;   // one digit: in order already
+    for (int d = 0; d < 256; ++d) count[d + 1] += count[d];
+    for (int64_t i = 0; i < m; ++i) tmp[count[(sel[i] >> shift) & 0xFF]++] = sel[i];
+    std::swap(sel, tmp);
+  }
+  return sel;
+}
+
+inline bool IsNegInf(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof(b));
+  return b == 0xFF800000u;
+}
+
+// The row's k largest. Trailing -inf (the positions a caller masked) are left out of the
+// selection when at least k elements before them rank above -inf (neither -inf nor -NaN):
+// the k largest are then among those.
+void Row(const float* x, int64_t N, int64_t k, float* v, int32_t* idx, Scratch& s) {
+  int64_t live = N;
+  while (live > k && IsNegInf(x[live - 1])) --live;
+  uint32_t* key = s.key.data();
+  int64_t above = 0;
+  for (int64_t n = 0; n < live; ++n) {
+    key[n] = Key(x[n]);
+    above += key[n] < kNegInfKey;
+  }
+  if (above < k)
+    for (int64_t n = live; n < N; ++n) key[n] = Key(x[n]);
+  else
+    N = live;
+  const uint64_t* sel = Smallest(s, N, k);
   for (int64_t j = 0; j < k; ++j) {
-    const int32_t p = static_cast<int32_t>(rank[j] & 0xFFFFFFFFu);
+    const int32_t p = static_cast<int32_t>(sel[j] & 0xFFFFFFFFu);
     idx[j] = p;
     v[j] = x[p];
   }
@@ -77,10 +169,12 @@ struct Rows {
 };
 
 void Work(Rows& s) {
-  std::vector<uint64_t> rank(s.N);
+  Scratch scratch;
+  scratch.key.resize(s.N), scratch.cand.resize(s.N + 1);
+  scratch.sel.resize(s.k + 1), scratch.tmp.resize(s.k);
   for (int64_t i; (i = s.next.fetch_add(1)) < s.items;) {
     for (int64_t r = i * kRowsPerItem; r < std::min(s.R, (i + 1) * kRowsPerItem); ++r)
-      Row(s.x + r * s.N, s.N, s.k, s.v + r * s.k, s.idx + r * s.k, rank.data());
+      Row(s.x + r * s.N, s.N, s.k, s.v + r * s.k, s.idx + r * s.k, scratch);
     s.done.fetch_add(1, std::memory_order_release);
   }
 }
@@ -117,6 +211,23 @@ struct Paged {
   int64_t B, T, J, D, S, R;
   std::atomic<int64_t> next{0}, done{0};
 };
+
+// f(std::integral_constant<int, n>{}) for n in [1, 8]: loops over up to 8 heads with a
+// compile-time count, so that their accumulators stay in registers (with a runtime count they
+// went through the stack: the values product ran ~3x slower).
+template <typename F>
+inline void WithCount(int64_t n, F&& f) {
+  switch (n) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
+}
 
 #if defined(__AVX512F__)
 // r[i] (row i of a 16 x 16 block) -> r[c] (column c): unpacks within 128-bit lanes, then a
@@ -163,6 +274,12 @@ void PagedItem(const Paged& p, int64_t item, float* kt) {
       const int64_t r = rows[s0 + std::min(i, n - 1)];
       row[i] = p.pool + std::min<int64_t>(std::max<int64_t>(r, 0), p.R - 1) * p.D;   // clip
     }
+    // The next 16 positions' rows toward L2: the table's blocks are scattered over the pool
+    // (a call at 1K context, 16 requests: ~250 -> ~150 us).
+    for (int64_t s = s0 + 16; s < std::min(live, s0 + 32); ++s) {
+      const float* next = p.pool + std::min<int64_t>(std::max<int64_t>(rows[s], 0), p.R - 1) * p.D;
+      for (int64_t d = 0; d < p.D; d += 16) __builtin_prefetch(next + d, 0, 2);
+    }
     for (int64_t d0 = 0; d0 < p.D; d0 += 16) {   // kt[d] = k[s0 .. s0 + 15, d]
       const int64_t nd = std::min<int64_t>(16, p.D - d0);
       const __mmask16 md = static_cast<__mmask16>((1u << nd) - 1);
@@ -172,17 +289,18 @@ void PagedItem(const Paged& p, int64_t item, float* kt) {
       for (int64_t c = 0; c < nd; ++c) _mm512_store_ps(kt + 16 * (d0 + c), r[c]);
     }
     __m512 score = zero;
-    for (int64_t j0 = 0; j0 < p.J; j0 += 8) {
-      const int64_t nj = std::min<int64_t>(8, p.J - j0);
-      __m512 acc[8] = {zero, zero, zero, zero, zero, zero, zero, zero};
+    for (int64_t j0 = 0; j0 < p.J; j0 += 8) WithCount(p.J - j0, [&](auto count) {
+      constexpr int nj = decltype(count)::value;
+      __m512 acc[nj];
+      for (int jj = 0; jj < nj; ++jj) acc[jj] = zero;
       for (int64_t d = 0; d < p.D; ++d) {
         const __m512 k = _mm512_load_ps(kt + 16 * d);
-        for (int64_t jj = 0; jj < nj; ++jj)
+        for (int jj = 0; jj < nj; ++jj)
           acc[jj] = _mm512_fmadd_ps(_mm512_set1_ps(q[(j0 + jj) * p.D + d]), k, acc[jj]);
       }
-      for (int64_t jj = 0; jj < nj; ++jj)   // max(0, x): a NaN passes, as in XLA's relu
+      for (int jj = 0; jj < nj; ++jj)   // max(0, x): a NaN passes, as in XLA's relu
         score = _mm512_fmadd_ps(_mm512_max_ps(zero, acc[jj]), _mm512_set1_ps(w[j0 + jj]), score);
-    }
+    });
     _mm512_mask_storeu_ps(out + s0, static_cast<__mmask16>((1u << n) - 1), score);
   }
   std::fill(out + live, out + p.S, 0.0f);
@@ -261,18 +379,22 @@ ffi::Error PagedScoresImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 // multiply-add chain from zero within each block of kc (the contraction), the blocks' sums
 // added in order: XLA:CPU's order for these dots (stream_matmul.cc), probed by the caller.
 struct Sparse {
-  const float *x, *pool;   // x: q [B, C, H, D] (logits) or p [B, C, H, K] (values)
+  // Logits: x = q [B, C, H, D], the rows read from `pool` [N, W] through rows [B, S] and idx
+  // [B, C, K], and written, [:V], to `gathered` [B, C, K, V]. Values: x = p [B, C, H, K],
+  // pool = those rows ([B, C, K, V], W = V), rows and idx null.
+  const float *x, *pool;
   const int32_t *rows, *idx;
   float* out;
+  float* gathered;
   int64_t B, C, H, D, K, V, S, N, W, kc;
   std::atomic<int64_t> next{0}, done{0};
 };
 
-// The cache lines of a row of n floats toward L1 (the rows are scattered over the pool: the
-// hardware prefetcher does not see them coming).
+// The cache lines of a row of n floats toward L2 (the rows are scattered over the pool: the
+// hardware prefetcher does not see them coming; into L1, the logits took ~1.6x as long).
 inline void Fetch(const float* row, int64_t n) {
   for (int64_t i = 0; i < n; i += 16)
-    __builtin_prefetch(row + i, 0, 3);
+    __builtin_prefetch(row + i, 0, 2);
 }
 
 inline const float* SlotRow(const Sparse& p, int64_t b, int32_t i) {
@@ -306,71 +428,78 @@ void LogitsItem(const Sparse& p, int64_t item, float* kt, const float** row_k) {
       const __mmask16 md = static_cast<__mmask16>((1u << nd) - 1);
       __m512 r[16];
       for (int i = 0; i < 16; ++i) r[i] = _mm512_maskz_loadu_ps(md, row[i] + d0);
+      if (d0 < p.V) {   // the values' rows, in slot order
+        const __mmask16 mv = static_cast<__mmask16>((1u << std::min<int64_t>(16, p.V - d0)) - 1);
+        float* g = p.gathered + (item * p.K + k0) * p.V + d0;
+        for (int64_t i = 0; i < n; ++i) _mm512_mask_storeu_ps(g + i * p.V, mv, r[i]);
+      }
       Transpose16(r);
       for (int64_t c = 0; c < nd; ++c) _mm512_store_ps(kt + 16 * (d0 + c), r[c]);
     }
     const __mmask16 mk = static_cast<__mmask16>((1u << n) - 1);
-    for (int64_t h0 = 0; h0 < p.H; h0 += 8) {
-      const int64_t nh = std::min<int64_t>(8, p.H - h0);
-      __m512 y[8], acc[8];
-      for (int64_t hh = 0; hh < 8; ++hh) y[hh] = zero;
+    for (int64_t h0 = 0; h0 < p.H; h0 += 8) WithCount(p.H - h0, [&](auto count) {
+      constexpr int nh = decltype(count)::value;
+      __m512 y[nh], acc[nh];
+      for (int hh = 0; hh < nh; ++hh) y[hh] = zero;
       for (int64_t e0 = 0; e0 < p.D; e0 += p.kc) {
-        for (int64_t hh = 0; hh < 8; ++hh) acc[hh] = zero;
+        for (int hh = 0; hh < nh; ++hh) acc[hh] = zero;
         for (int64_t d = e0; d < std::min(p.D, e0 + p.kc); ++d) {
           const __m512 k = _mm512_load_ps(kt + 16 * d);
-          for (int64_t hh = 0; hh < nh; ++hh)
+          for (int hh = 0; hh < nh; ++hh)
             acc[hh] = _mm512_fmadd_ps(_mm512_set1_ps(q[(h0 + hh) * p.D + d]), k, acc[hh]);
         }
-        for (int64_t hh = 0; hh < nh; ++hh) y[hh] = _mm512_add_ps(y[hh], acc[hh]);
+        for (int hh = 0; hh < nh; ++hh) y[hh] = _mm512_add_ps(y[hh], acc[hh]);
       }
-      for (int64_t hh = 0; hh < nh; ++hh)
+      for (int hh = 0; hh < nh; ++hh)
         _mm512_mask_storeu_ps(out + (h0 + hh) * p.K + k0, mk, y[hh]);
-    }
+    });
   }
 }
 
-// out[b, c, h, :V] = sum_k p[b, c, h, k] row(b, idx[b, c, k])[:V]: 32 columns at a time, the
-// slots' rows in order, every head's chains.
-void ValuesItem(const Sparse& p, int64_t item, float*, const float** row_k) {
+// out[b, c, h] = sum_k p[b, c, h, k] rows[b, c, k]: 32 columns at a time, the slots' rows in
+// order (contiguous: the hardware prefetcher sees them coming), every head's chains.
+void ValuesItem(const Sparse& p, int64_t item, float*, const float**) {
   const float* pr = p.x + item * p.H * p.K;
+  const float* rows = p.pool + item * p.K * p.V;
   float* out = p.out + item * p.H * p.V;
-  SlotRows(p, item, row_k);
   const __m512 zero = _mm512_setzero_ps();
   for (int64_t v0 = 0; v0 < p.V; v0 += 32) {
     const int64_t nv = std::min<int64_t>(32, p.V - v0);
     const __mmask16 m0 = static_cast<__mmask16>(nv >= 16 ? 0xFFFF : (1u << nv) - 1);
     const __mmask16 m1 = static_cast<__mmask16>(nv >= 32 ? 0xFFFF : nv > 16 ? (1u << (nv - 16)) - 1 : 0);
-    for (int64_t h0 = 0; h0 < p.H; h0 += 8) {
-      const int64_t nh = std::min<int64_t>(8, p.H - h0);
-      __m512 y[8][2], acc[8][2];
-      for (int64_t hh = 0; hh < 8; ++hh) y[hh][0] = y[hh][1] = zero;
+    for (int64_t h0 = 0; h0 < p.H; h0 += 8) WithCount(p.H - h0, [&](auto count) {
+      constexpr int nh = decltype(count)::value;
+      __m512 y[nh][2], acc[nh][2];
+      for (int hh = 0; hh < nh; ++hh) y[hh][0] = y[hh][1] = zero;
       for (int64_t e0 = 0; e0 < p.K; e0 += p.kc) {
-        for (int64_t hh = 0; hh < 8; ++hh) acc[hh][0] = acc[hh][1] = zero;
+        for (int hh = 0; hh < nh; ++hh) acc[hh][0] = acc[hh][1] = zero;
         for (int64_t k = e0; k < std::min(p.K, e0 + p.kc); ++k) {
-          if (v0 == 0 && h0 == 0 && k + 16 < p.K) Fetch(row_k[k + 16], p.V);
-          const float* row = row_k[k] + v0;
+          const float* row = rows + k * p.V + v0;
           const __m512 r0 = _mm512_maskz_loadu_ps(m0, row), r1 = _mm512_maskz_loadu_ps(m1, row + 16);
-          for (int64_t hh = 0; hh < nh; ++hh) {
+          for (int hh = 0; hh < nh; ++hh) {
             const __m512 ph = _mm512_set1_ps(pr[(h0 + hh) * p.K + k]);
             acc[hh][0] = _mm512_fmadd_ps(ph, r0, acc[hh][0]);
             acc[hh][1] = _mm512_fmadd_ps(ph, r1, acc[hh][1]);
           }
         }
-        for (int64_t hh = 0; hh < nh; ++hh) {
+        for (int hh = 0; hh < nh; ++hh) {
           y[hh][0] = _mm512_add_ps(y[hh][0], acc[hh][0]);
           y[hh][1] = _mm512_add_ps(y[hh][1], acc[hh][1]);
         }
       }
-      for (int64_t hh = 0; hh < nh; ++hh) {
+      for (int hh = 0; hh < nh; ++hh) {
         _mm512_mask_storeu_ps(out + (h0 + hh) * p.V + v0, m0, y[hh][0]);
         _mm512_mask_storeu_ps(out + (h0 + hh) * p.V + v0 + 16, m1, y[hh][1]);
       }
-    }
+    });
   }
 }
 #else
 void LogitsItem(const Sparse& p, int64_t item, float*, const float**) {
   const int64_t b = item / p.C;
+  for (int64_t k = 0; k < p.K; ++k)
+    std::memcpy(p.gathered + (item * p.K + k) * p.V, SlotRow(p, b, p.idx[item * p.K + k]),
+                sizeof(float) * p.V);
   for (int64_t h = 0; h < p.H; ++h)
     for (int64_t k = 0; k < p.K; ++k) {
       const float* q = p.x + (item * p.H + h) * p.D;
@@ -386,7 +515,6 @@ void LogitsItem(const Sparse& p, int64_t item, float*, const float**) {
 }
 
 void ValuesItem(const Sparse& p, int64_t item, float*, const float**) {
-  const int64_t b = item / p.C;
   for (int64_t h = 0; h < p.H; ++h)
     for (int64_t v = 0; v < p.V; ++v) {
       const float* pr = p.x + (item * p.H + h) * p.K;
@@ -394,7 +522,7 @@ void ValuesItem(const Sparse& p, int64_t item, float*, const float**) {
       for (int64_t e0 = 0; e0 < p.K; e0 += p.kc) {
         float acc = 0.0f;
         for (int64_t k = e0; k < std::min(p.K, e0 + p.kc); ++k)
-          acc = std::fma(pr[k], SlotRow(p, b, p.idx[item * p.K + k])[v], acc);
+          acc = std::fma(pr[k], p.pool[(item * p.K + k) * p.V + v], acc);
         y = y + acc;
       }
       p.out[(item * p.H + h) * p.V + v] = y;
@@ -413,54 +541,66 @@ void WorkSparse(Sparse& p) {
   }
 }
 
-// Shared checks and threading of the two products; x_last: q's D (logits) or p's K (values).
+// The items of a product on the calling thread and the pool's (one thread below
+// kMinPagedSplit multiply-adds); every output zero where there is nothing to sum.
 template <void (*Item)(const Sparse&, int64_t, float*, const float**)>
-ffi::Error SparseRun(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x,
-                     ffi::Buffer<ffi::F32>& keys, ffi::Buffer<ffi::S32>& layer,
-                     ffi::Buffer<ffi::S32>& rows, ffi::Buffer<ffi::S32>& idx, float* out,
-                     int64_t v, int64_t kc, bool logits) {
-  const auto xd = x.dimensions(), kd = keys.dimensions(), rd = rows.dimensions(),
-             id = idx.dimensions();
-  if (xd.size() != 4 || kd.size() != 3 || rd.size() != 2 || id.size() != 3 ||
-      rd[0] != xd[0] || id[0] != xd[0] || id[1] != xd[1] || (!logits && id[2] != xd[3]) ||
-      (logits && xd[3] > kd[2]) || (!logits && (v > kd[2] || v < 0)) || kc <= 0)
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      "paged sparse products: x [B, C, H, D or K], keys [L, N, W], rows [B, S], "
-                      "idx [B, C, K], D and v_dim <= W, kc > 0");
-  const int64_t l = layer.typed_data()[0];
-  if (l < 0 || l >= kd[0])
-    return ffi::Error(ffi::ErrorCode::kOutOfRange, "paged sparse products: layer out of range");
-  auto p = std::make_shared<Sparse>();
-  p->x = x.typed_data(), p->rows = rows.typed_data(), p->idx = idx.typed_data(), p->out = out;
-  p->B = xd[0], p->C = xd[1], p->H = xd[2], p->K = id[2], p->S = rd[1], p->N = kd[1];
-  p->W = kd[2], p->D = logits ? xd[3] : 0, p->V = v, p->kc = kc;
-  p->pool = keys.typed_data() + l * p->N * p->W;
+void SparseRun(ffi::ThreadPool& pool, std::shared_ptr<Sparse> p, int64_t per_item,
+               int64_t out_per_item) {
   const int64_t items = p->B * p->C;
-  const int64_t per = logits ? p->H * p->K * p->D : p->H * p->K * p->V;
-  if (items == 0 || per == 0) {
-    std::fill(out, out + items * p->H * (logits ? p->K : p->V), 0.0f);
-    return ffi::Error::Success();
+  if (per_item == 0) {
+    std::fill(p->out, p->out + items * out_per_item, 0.0f);
+    if (p->gathered) std::fill(p->gathered, p->gathered + items * p->K * p->V, 0.0f);
+    return;
   }
-  if (p->N == 0 || p->S == 0)
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "paged sparse products: no rows");
-  const int64_t threads = items * per < kMinPagedSplit ? 1 : std::max<int64_t>(1, pool.num_threads());
+  const int64_t threads =
+      items * per_item < kMinPagedSplit ? 1 : std::max<int64_t>(1, pool.num_threads());
   RunPool(pool, threads, items, [p] { WorkSparse<Item>(*p); }, p->done);
-  return ffi::Error::Success();
 }
 
 ffi::Error SparseLogitsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                             ffi::Buffer<ffi::F32> keys, ffi::Buffer<ffi::S32> layer,
                             ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> idx,
-                            ffi::ResultBuffer<ffi::F32> out, int64_t kc) {
-  return SparseRun<LogitsItem>(pool, q, keys, layer, rows, idx, out->typed_data(), 0, kc, true);
+                            ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> gathered,
+                            int64_t v_dim, int64_t kc) {
+  const auto xd = q.dimensions(), kd = keys.dimensions(), rd = rows.dimensions(),
+             id = idx.dimensions(), gd = gathered->dimensions();
+  if (xd.size() != 4 || kd.size() != 3 || rd.size() != 2 || id.size() != 3 ||
+      gd.size() != 4 || rd[0] != xd[0] || id[0] != xd[0] || id[1] != xd[1] || xd[3] > kd[2] ||
+      v_dim < 0 || v_dim > xd[3] || gd[0] != xd[0] || gd[1] != xd[1] || gd[2] != id[2] ||
+      gd[3] != v_dim || kc <= 0)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "sparse_logits: q [B, C, H, D], keys [L, N, W], rows [B, S], idx [B, C, K], "
+                      "rows out [B, C, K, v_dim], v_dim <= D <= W, kc > 0");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= kd[0])
+    return ffi::Error(ffi::ErrorCode::kOutOfRange, "sparse_logits: layer out of range");
+  if (xd[0] * xd[1] * id[2] > 0 && (kd[1] == 0 || rd[1] == 0))
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "sparse_logits: no rows");
+  auto p = std::make_shared<Sparse>();
+  p->x = q.typed_data(), p->rows = rows.typed_data(), p->idx = idx.typed_data();
+  p->out = out->typed_data(), p->gathered = gathered->typed_data();
+  p->B = xd[0], p->C = xd[1], p->H = xd[2], p->K = id[2], p->S = rd[1], p->N = kd[1];
+  p->W = kd[2], p->D = xd[3], p->V = v_dim, p->kc = kc;
+  p->pool = keys.typed_data() + l * p->N * p->W;
+  SparseRun<LogitsItem>(pool, p, p->K * std::max<int64_t>(p->H * p->D, 1), p->H * p->K);
+  return ffi::Error::Success();
 }
 
-ffi::Error SparseValuesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> probs,
-                            ffi::Buffer<ffi::F32> keys, ffi::Buffer<ffi::S32> layer,
-                            ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> idx,
-                            ffi::ResultBuffer<ffi::F32> out, int64_t v_dim, int64_t kc) {
-  return SparseRun<ValuesItem>(pool, probs, keys, layer, rows, idx, out->typed_data(), v_dim, kc,
-                               false);
+ffi::Error RowValuesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> probs,
+                         ffi::Buffer<ffi::F32> rows, ffi::ResultBuffer<ffi::F32> out,
+                         int64_t kc) {
+  const auto xd = probs.dimensions(), gd = rows.dimensions();
+  if (xd.size() != 4 || gd.size() != 4 || gd[0] != xd[0] || gd[1] != xd[1] || gd[2] != xd[3] ||
+      kc <= 0)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "row_values: probs [B, C, H, K], rows [B, C, K, V], kc > 0");
+  auto p = std::make_shared<Sparse>();
+  p->x = probs.typed_data(), p->pool = rows.typed_data(), p->rows = nullptr, p->idx = nullptr;
+  p->out = out->typed_data(), p->gathered = nullptr;
+  p->B = xd[0], p->C = xd[1], p->H = xd[2], p->K = xd[3], p->V = p->W = gd[3], p->kc = kc;
+  p->D = 0, p->S = p->N = 0;
+  SparseRun<ValuesItem>(pool, p, p->H * p->K * p->V, p->H * p->V);
+  return ffi::Error::Success();
 }
 
 }  // namespace
@@ -492,16 +632,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5PagedSparseLogits, SparseLogitsImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("v_dim")
                                   .Attr<int64_t>("kc"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5PagedSparseValues, SparseValuesImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5RowValues, RowValuesImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("v_dim")
                                   .Attr<int64_t>("kc"));

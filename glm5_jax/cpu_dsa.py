@@ -18,16 +18,19 @@ with:
      order: XLA:CPU's order for these dots, so the scores are the same bits (`nn/dsa.py`
      `paged_scores_exact` checks that at each shape on seeded data before the engine uses
      it).
-  2. `top_k`: `lax.top_k`'s values and positions, bit for bit: each element ranked once as a
-     64-bit integer (the float's total order, then its position), the k smallest ranks
-     selected (`nth_element`), then sorted. A pure selection: descending in float32's total
-     order (-NaN < -inf < -0.0 < +0.0 < +inf < +NaN), equal values in ascending position.
-  3. `sparse_logits` and `sparse_values`: q . row and sum_k p[k] row[:v] over the selected
-     rows (`pallas_kernels/sparse_attention/xla.py`), each row read from the pool through
-     the block table, each output XLA's chain (from zero in blocks of kc, the blocks'
-     sums added in order: glm5_jax/stream_matmul.py; `nn/dsa.py` `sparse_kc` finds the
-     blocks at each shape on seeded data, or None). The masked softmax between them stays
-     XLA's (`nn/dsa.py` `sparse_mla_paged`).
+  2. `top_k`: `lax.top_k`'s values and positions, bit for bit: each element keyed once by
+     the float's total order, the k-th largest found by a radix selection, the k selected
+     in position order and sorted by a stable radix sort. A pure selection: descending in
+     float32's total order (-NaN < -inf < -0.0 < +0.0 < +inf < +NaN), equal values in
+     ascending position. Trailing -inf (the indexer's masked positions) are skipped when k
+     elements before them rank above -inf.
+  3. `sparse_logits` and `row_values`: q . row and sum_k p[k] row[:v] over the selected rows
+     (`pallas_kernels/sparse_attention/xla.py`), each output XLA's chain (from zero in
+     blocks of kc, the blocks' sums added in order: glm5_jax/stream_matmul.py; `nn/dsa.py`
+     `sparse_kc` finds the blocks at each shape on seeded data, or None). The logits read
+     each row from the pool through the block table and write its first v columns out in
+     slot order; the values read them there, contiguous. The masked softmax between them
+     stays XLA's (`nn/dsa.py` `sparse_mla_paged`).
 
 Forward only (no derivative rules: the engine's decode step). Compiled on first use
 (`cpu_ffi.py`); where it is not available (no compiler, not on CPU) `top_k` is `lax.top_k`
@@ -49,7 +52,7 @@ SOURCE = pathlib.Path(__file__).with_name("cpu_dsa.cc")
 TOPK_TARGET = "glm5_cpu_topk"
 PAGED_TARGET = "glm5_paged_index_scores"
 LOGITS_TARGET = "glm5_paged_sparse_logits"
-VALUES_TARGET = "glm5_paged_sparse_values"
+VALUES_TARGET = "glm5_row_values"
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,7 +61,7 @@ def available() -> bool:
   return cpu_ffi.load(SOURCE, ((TOPK_TARGET, "Glm5TopK"),
                                (PAGED_TARGET, "Glm5PagedIndexScores"),
                                (LOGITS_TARGET, "Glm5PagedSparseLogits"),
-                               (VALUES_TARGET, "Glm5PagedSparseValues")))
+                               (VALUES_TARGET, "Glm5RowValues")))
 
 
 def top_k(x, k: int):
@@ -103,23 +106,34 @@ def _check_sparse(name, x, keys, rows, idx):
                      f"got x {x.shape}, keys {keys.shape}, rows {rows.shape}, idx {idx.shape}")
 
 
-def sparse_logits(q_bchd, keys_lnw, layer, rows_bs, idx_bck, kc: int):
-  """float32 [b, c, h, k]: q[b, c, h] . row(b, idx[b, c, k])[:d], row(b, i) the pool row of
-  position max(i, 0) (`pallas_kernels/sparse_attention/xla.py` `_attend_chunk`'s logits,
-  unscaled), each a chain in blocks of kc (module docstring). Needs `available()`."""
+def sparse_logits(q_bchd, keys_lnw, layer, rows_bs, idx_bck, v_dim: int, kc: int):
+  """(logits float32 [b, c, h, k], rows float32 [b, c, k, v_dim]): q[b, c, h] .
+  row(b, idx[b, c, k])[:d], row(b, i) the pool row of position max(i, 0)
+  (`pallas_kernels/sparse_attention/xla.py` `_attend_chunk`'s logits, unscaled), each a chain
+  in blocks of kc (module docstring); and the slots' rows[:v_dim] (v_dim <= d) in slot order,
+  for `row_values`: read once from the scattered pool, contiguous after. Needs
+  `available()`."""
   _check_sparse("sparse_logits", q_bchd, keys_lnw, rows_bs, idx_bck)
-  out = jax.ShapeDtypeStruct((*q_bchd.shape[:3], idx_bck.shape[2]), jnp.float32)
+  if not 0 <= v_dim <= q_bchd.shape[3]:
+    raise ValueError(f"sparse_logits: v_dim must be in [0, {q_bchd.shape[3]}] (q's d), got "
+                     f"{v_dim}")
+  f32 = jnp.float32
+  out = (jax.ShapeDtypeStruct((*q_bchd.shape[:3], idx_bck.shape[2]), f32),
+         jax.ShapeDtypeStruct((*idx_bck.shape, v_dim), f32))
   return jax.ffi.ffi_call(LOGITS_TARGET, out)(
-      q_bchd.astype(jnp.float32), keys_lnw.astype(jnp.float32), jnp.asarray(layer, jnp.int32),
-      rows_bs.astype(jnp.int32), idx_bck.astype(jnp.int32), kc=np.int64(kc))
-
-
-def sparse_values(p_bchk, keys_lnw, layer, rows_bs, idx_bck, v_dim: int, kc: int):
-  """float32 [b, c, h, v_dim]: sum_k p[b, c, h, k] row(b, idx[b, c, k])[:v_dim] (as
-  `sparse_logits`), each a chain over k in blocks of kc. Needs `available()`."""
-  _check_sparse("sparse_values", p_bchk, keys_lnw, rows_bs, idx_bck)
-  out = jax.ShapeDtypeStruct((*p_bchk.shape[:3], v_dim), jnp.float32)
-  return jax.ffi.ffi_call(VALUES_TARGET, out)(
-      p_bchk.astype(jnp.float32), keys_lnw.astype(jnp.float32), jnp.asarray(layer, jnp.int32),
+      q_bchd.astype(f32), keys_lnw.astype(f32), jnp.asarray(layer, jnp.int32),
       rows_bs.astype(jnp.int32), idx_bck.astype(jnp.int32), v_dim=np.int64(v_dim),
       kc=np.int64(kc))
+
+
+def row_values(p_bchk, rows_bckv, kc: int):
+  """float32 [b, c, h, v]: sum_k p[b, c, h, k] rows[b, c, k] (`sparse_logits`' rows), each a
+  chain over k in blocks of kc. Needs `available()`."""
+  if p_bchk.ndim != 4 or rows_bckv.ndim != 4 or rows_bckv.shape[:3] != (
+      *p_bchk.shape[:2], p_bchk.shape[3]):
+    raise ValueError(f"row_values: p [b, c, h, k], rows [b, c, k, v]; got p {p_bchk.shape}, "
+                     f"rows {rows_bckv.shape}")
+  f32 = jnp.float32
+  out = jax.ShapeDtypeStruct((*p_bchk.shape[:3], rows_bckv.shape[3]), f32)
+  return jax.ffi.ffi_call(VALUES_TARGET, out)(p_bchk.astype(f32), rows_bckv.astype(f32),
+                                              kc=np.int64(kc))

@@ -500,8 +500,9 @@ ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
-// Batches of small products: y[g] = a[g] @ b[g] (a: [G, M, K], b: [G, K, N]), each output the
-// fused multiply-add chain in k that `matmul` computes (k-blocks of kc), in register tiles.
+// Batches of small products: y[g] = a[g] @ b[layer, g] (a: [G, M, K], b: [R, G, K, N], read in
+// place: no slice copied out of a layer stack), each output the fused multiply-add chain in k
+// that `matmul` computes (k-blocks of kc), in register tiles.
 // XLA:CPU runs such a batch as one Eigen GEMM per element, paying its packing and call each
 // time: a decode step's attention products (per request, [8, 144] x [144, 64]) ran at ~14 G
 // multiply-adds/s (docs/benchmarks.md). An item is one product.
@@ -529,16 +530,20 @@ void WorkBatched(Batched& s) {
 }
 
 ffi::Error BatchedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a,
-                             ffi::Buffer<ffi::F32> b, ffi::ResultBuffer<ffi::F32> y,
-                             int64_t kc) {
+                             ffi::Buffer<ffi::F32> b, ffi::Buffer<ffi::S32> layer,
+                             ffi::ResultBuffer<ffi::F32> y, int64_t kc) {
   const auto ad = a.dimensions(), bd = b.dimensions();
-  if (ad.size() != 3 || bd.size() != 3 || ad[0] != bd[0] || ad[2] != bd[1])
+  if (ad.size() != 3 || bd.size() != 4 || ad[0] != bd[1] || ad[2] != bd[2])
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      "batched_matmul: a must be [G, M, K] and b [G, K, N]");
+                      "batched_matmul: a must be [G, M, K] and b [R, G, K, N]");
   if (kc <= 0) return ffi::Error(ffi::ErrorCode::kInvalidArgument, "batched_matmul: kc <= 0");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= bd[0])
+    return ffi::Error(ffi::ErrorCode::kOutOfRange, "batched_matmul: layer out of range");
   auto s = std::make_shared<Batched>();
-  s->a = a.typed_data(), s->b = b.typed_data(), s->y = y->typed_data();
-  s->G = ad[0], s->M = ad[1], s->K = ad[2], s->N = bd[2], s->kc = kc;
+  s->a = a.typed_data(), s->b = b.typed_data() + l * bd[1] * bd[2] * bd[3];
+  s->y = y->typed_data();
+  s->G = ad[0], s->M = ad[1], s->K = ad[2], s->N = bd[3], s->kc = kc;
   int64_t width;
   s->fn = TileFn(s->M, &width);
   for (int64_t m = 0; m < s->M; ++m) s->rows.push_back(m);
@@ -575,5 +580,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5BatchedMatmul, BatchedMatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("kc"));

@@ -142,19 +142,22 @@ def probe_rng(*key):
       hashlib.sha256(repr(key).encode()).digest()[:8], "little"))
 
 
-def batched_matmul(a_gmk, b_gkn, kc: int | None = None):
+def batched_matmul(a_gmk, b_gkn, kc: int | None = None, layer=None):
   """y [G, M, N]: y[g] = a[g] @ b[g] for float32 a [G, M, K] and b [G, K, N], each output
   `matmul`'s fused multiply-add chain in k (blocks of `kc`; None: one block). For batches of
-  small products, which XLA:CPU runs as one GEMM call each (`einsum`). Needs `available()`."""
-  if a_gmk.ndim != 3 or b_gkn.ndim != 3 or b_gkn.shape[:2] != (a_gmk.shape[0], a_gmk.shape[2]):
-    raise ValueError(f"batched_matmul: a must be [G, M, K] and b [G, K, N], got a "
-                     f"{a_gmk.shape}, b {b_gkn.shape}")
-  if a_gmk.dtype != jnp.float32 or b_gkn.dtype != jnp.float32:
-    raise ValueError(f"batched_matmul: float32 only, got a {a_gmk.dtype}, b {b_gkn.dtype}")
+  small products, which XLA:CPU runs as one GEMM call each (`einsum`). With `layer` (int32
+  []), b is a stack [R, G, K, N] and b[layer] is read in place (no slice copied out of it).
+  Needs `available()`."""
+  b4 = b_gkn if layer is not None else b_gkn[None]
+  if a_gmk.ndim != 3 or b4.ndim != 4 or b4.shape[1:3] != (a_gmk.shape[0], a_gmk.shape[2]):
+    raise ValueError(f"batched_matmul: a must be [G, M, K] and b [G, K, N] ([R, G, K, N] with "
+                     f"a layer), got a {a_gmk.shape}, b {b_gkn.shape}")
+  if a_gmk.dtype != jnp.float32 or b4.dtype != jnp.float32:
+    raise ValueError(f"batched_matmul: float32 only, got a {a_gmk.dtype}, b {b4.dtype}")
   g, m, k = a_gmk.shape
-  call = jax.ffi.ffi_call(BATCHED_TARGET,
-                          jax.ShapeDtypeStruct((g, m, b_gkn.shape[2]), jnp.float32))
-  return call(a_gmk, b_gkn, kc=np.int64(kc or max(k, 1)))
+  call = jax.ffi.ffi_call(BATCHED_TARGET, jax.ShapeDtypeStruct((g, m, b4.shape[3]), jnp.float32))
+  return call(a_gmk, b4, jnp.asarray(0 if layer is None else layer, jnp.int32),
+              kc=np.int64(kc or max(k, 1)))
 
 
 def _einsum_plan(eq: str, a_shape, b_shape):
@@ -186,14 +189,17 @@ def _einsum_plan(eq: str, a_shape, b_shape):
           [size[c] for c in mid], (prod(batch), prod(m), prod(contract), prod(n)))
 
 
-def _planned_einsum(plan, a, b, kc: int):
+def _planned_einsum(plan, a, b, kc: int, at=None):
   """`plan`'s einsum: the operands laid out [G, M, K] and [G, K, N] by XLA (in the kernel, a
   transposing copy per product measured 3x slower than XLA's), `batched_matmul`, y laid out
-  back."""
+  back. at: (stack, layer), b's [G, K, N] layout at stack[layer], read in place."""
   a_order, b_order, out_order, mid_shape, (g, m, k, n) = plan
   a3 = jnp.transpose(a, a_order).reshape(g, m, k)
-  b3 = jnp.transpose(b, b_order).reshape(g, k, n)
-  return jnp.transpose(batched_matmul(a3, b3, kc).reshape(mid_shape), out_order)
+  if at is None:
+    y = batched_matmul(a3, jnp.transpose(b, b_order).reshape(g, k, n), kc)
+  else:
+    y = batched_matmul(a3, at[0].reshape(at[0].shape[0], g, k, n), kc, at[1])
+  return jnp.transpose(y.reshape(mid_shape), out_order)
 
 
 @functools.lru_cache(maxsize=None)
@@ -220,13 +226,19 @@ EINSUM_MAX_ROWS = 256           # rows of each product `einsum` sends to the ker
 EINSUM_MAX_FMAS = 1 << 24       # and multiply-adds in all (a prefill chunk's stay XLA's)
 
 
-def einsum(eq: str, a, b, preferred_element_type=None):
+def einsum(eq: str, a, b, preferred_element_type=None, *, b_stack=None, layer=None):
   """`jnp.einsum(eq, a, b)` for float32 operands, through `batched_matmul` where it is a batch
   (two or more) of small products (EINSUM_MAX_ROWS, EINSUM_MAX_FMAS) and `einsum_kc` finds it
   equal to XLA's at these shapes: the same numbers (a decode step's per-request and per-head
   attention products, which XLA:CPU runs as one GEMM call each). Else XLA's own: a single
   product is one call there too, and its operands' layout copies here measured slower (a lone
-  request's indexer scores at 1K context)."""
+  request's indexer scores at 1K context).
+
+  b_stack, layer: a layer stack [R, ...] whose b_stack[layer] holds b laid out as the kernel's
+  [G, K, N] operand (b's batch axes, then contracted, then the others, each in b's order; an
+  engine's SERVED_LAYOUTS copy, nn/params.py): the kernel reads it there in place, where XLA
+  would copy the layer's slice out of the stack every step. b (that slice, any layout) still
+  gives the shapes and XLA's path."""
   kc_ = None
   plan = _einsum_plan(eq, tuple(a.shape), tuple(b.shape))
   if (plan is not None and a.dtype == jnp.float32 and b.dtype == jnp.float32
@@ -236,4 +248,11 @@ def einsum(eq: str, a, b, preferred_element_type=None):
     kc_ = einsum_kc(eq, tuple(a.shape), tuple(b.shape))
   if kc_ is None:
     return jnp.einsum(eq, a, b, preferred_element_type=preferred_element_type)
-  return _planned_einsum(plan, a, b, kc_)
+  at = None
+  if b_stack is not None and b_stack.dtype == jnp.float32:
+    laid = tuple(b.shape[i] for i in plan[1])
+    if tuple(b_stack.shape[1:]) != laid:
+      raise ValueError(f"einsum {eq!r}: b_stack {b_stack.shape} is not a stack of b laid out "
+                       f"{laid}")
+    at = (b_stack, layer)
+  return _planned_einsum(plan, a, b, kc_, at)

@@ -19,8 +19,10 @@ from pallas_kernels.lightning_indexer import xla as indexer_xla
 pytestmark = pytest.mark.skipif(not cpu_dsa.available(),
                                 reason="cpu_dsa: no C++ compiler or not a CPU backend")
 
-SPECIALS = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 1.5, -1.5],
-                    np.float32)
+SPECIALS = np.concatenate([
+    np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 1.5, -1.5], np.float32),
+    np.array([0xFFFFFFFF, 0x7FFFFFFF, 0x00000001, 0x80000001], np.uint32).view(np.float32)])
+# (the last: the lowest and highest NaN, and the two smallest subnormals)
 
 
 def _awkward(rng, shape):
@@ -52,6 +54,21 @@ def test_top_k_equals_lax_top_k_bitwise(shape, k, rng):
   got = jax.jit(lambda x: cpu_dsa.top_k(x, k))(x)
   want = jax.jit(lambda x: jax.lax.top_k(x, k))(x)
   _assert_same_bits(got, want)
+
+
+@pytest.mark.parametrize("live", [0, 5, 9, 10, 11, 40])
+def test_top_k_over_a_masked_tail_equals_lax_top_k(live, rng):
+  """Rows whose positions past `live` are -inf (the indexer's mask): the kernel selects among
+  the live ones when at least k of them rank above -inf; with -inf and -NaN among the live
+  ones (fewer than k above -inf), the tail's -inf still come before any -NaN."""
+  k, n = 10, 48
+  x = _awkward(rng, (6, n))
+  x[:, live:] = -np.inf
+  x[1, :live] = np.where(np.arange(live) % 3 == 0, -np.nan, x[1, :live])   # -NaN before the tail
+  x[2, :live] = np.where(np.arange(live) % 4 == 0, -np.inf, x[2, :live])   # -inf inside
+  x[3, :live] = -np.nan
+  got = jax.jit(lambda x: cpu_dsa.top_k(x, k))(x)
+  _assert_same_bits(got, jax.jit(lambda x: jax.lax.top_k(x, k))(x))
 
 
 def test_rows_of_one_value_keep_ascending_positions():
@@ -197,10 +214,12 @@ def _blocked(terms, kc):
 def test_sparse_products_are_blocked_chains(b, c, h, d, k, v, kc, rng):
   n, s, w = 90, 70, d + 3
   q, p, keys, rows, idx, g = _sparse_inputs(rng, b, c, h, d, k, n, s, w)
-  logits = jax.jit(cpu_dsa.sparse_logits, static_argnums=5)(q, keys, 1, rows, idx, kc)
+  logits, slot_rows = jax.jit(cpu_dsa.sparse_logits, static_argnums=(5, 6))(
+      q, keys, 1, rows, idx, v, kc)
   want = _blocked(q[:, :, :, None, :].astype(np.float64) * g[:, :, None, :, :d], kc)
   np.testing.assert_array_equal(np.asarray(logits), want)
-  values = jax.jit(cpu_dsa.sparse_values, static_argnums=(5, 6))(p, keys, 1, rows, idx, v, kc)
+  np.testing.assert_array_equal(np.asarray(slot_rows), g[..., :v])
+  values = jax.jit(cpu_dsa.row_values, static_argnums=2)(p, slot_rows, kc)
   terms = p[..., None, :].astype(np.float64) * np.swapaxes(g[..., :v], -1, -2)[:, :, None]
   np.testing.assert_array_equal(np.asarray(values), _blocked(terms, kc))
 
@@ -208,7 +227,11 @@ def test_sparse_products_are_blocked_chains(b, c, h, d, k, v, kc, rng):
 def test_sparse_products_name_bad_shapes(rng):
   q, p, keys, rows, idx, _ = _sparse_inputs(rng, 2, 1, 4, 8, 5, 10, 6, 8)
   with pytest.raises(ValueError, match=r"idx \[b, c, k\]"):
-    cpu_dsa.sparse_logits(q, keys, 0, rows, idx[:1], 8)
+    cpu_dsa.sparse_logits(q, keys, 0, rows, idx[:1], 8, 8)
+  with pytest.raises(ValueError, match=r"v_dim must be in \[0, 8\]"):
+    cpu_dsa.sparse_logits(q, keys, 0, rows, idx, 9, 8)
+  with pytest.raises(ValueError, match=r"rows \[b, c, k, v\]"):
+    cpu_dsa.row_values(p, np.zeros((2, 1, 4, 8), np.float32), 8)
 
 
 def test_paged_sparse_attention_is_sparse_mla(rng):

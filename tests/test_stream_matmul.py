@@ -141,6 +141,28 @@ def test_einsum_equals_xlas_einsum_bitwise(eq, a_shape, b_shape, laid, rng):
       functools.partial(jnp.einsum, eq))(a, b)))
 
 
+@pytest.mark.parametrize("eq,a_shape,b_shape,laid", [e for e in EINSUMS if e[3] is not None])
+def test_einsum_reads_a_served_stack_in_place(eq, a_shape, b_shape, laid, rng):
+  """With b_stack and a (traced) layer, the kernel reads b from the stack's layer, in its
+  served layout: XLA's einsum of that layer, bit for bit, and no slice of the stack."""
+  a = jnp.asarray(rng.standard_normal(a_shape, np.float32))
+  stack = jnp.asarray(rng.standard_normal((3, *b_shape), np.float32))      # [R, served]
+  inv = np.argsort(laid)
+
+  def fn(a, stack, layer):
+    b = jnp.transpose(stack[layer], inv)
+    return stream_matmul.einsum(eq, a, b, b_stack=stack, layer=layer)
+
+  for layer in (0, 2):
+    got = jax.jit(fn)(a, stack, jnp.int32(layer))
+    want = jnp.einsum(eq, a, jnp.transpose(stack[layer], inv))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  hlo = jax.jit(fn).lower(a, stack, jnp.int32(1)).compile().as_text()
+  assert "dynamic-slice" not in hlo and "dynamic_slice" not in hlo
+  with pytest.raises(ValueError, match="is not a stack of b laid out"):
+    stream_matmul.einsum(eq, a, jnp.transpose(stack[0], inv), b_stack=stack[:, :1], layer=0)
+
+
 def test_einsum_leaves_other_equations_and_large_products_to_xla(rng):
   a = jnp.asarray(rng.standard_normal((4, 8), np.float32))
   assert stream_matmul._einsum_plan("ij,jk->i", a.shape, (8, 3)) is None    # k summed away

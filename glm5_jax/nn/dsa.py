@@ -389,7 +389,7 @@ def topk_indices_paged(q, w, keys_pool, layer, read_bs, limit_bt, topk: int, sta
 @functools.lru_cache(maxsize=None)
 def sparse_kc(q_shape: tuple[int, ...], k: int, n_rows: int, width: int, s: int,
               v_dim: int) -> tuple[int, int] | None:
-  """(kc of `cpu_dsa.sparse_logits`, kc of `cpu_dsa.sparse_values`) at which they equal
+  """(kc of `cpu_dsa.sparse_logits`, kc of `cpu_dsa.row_values`) at which they equal
   XLA's einsums of the gathered rows bit for bit at these shapes (q [b, c, h, d], k slots,
   a pool of n_rows rows of `width`, s positions per sequence), on seeded data with some
   slots empty (-1); None if no block size does, or without the kernels."""
@@ -411,8 +411,8 @@ def sparse_kc(q_shape: tuple[int, ...], k: int, n_rows: int, width: int, s: int,
         "bchk,bckv->bchv", p, r[..., :v_dim], preferred_element_type=f32))(p, gathered))
     found = []
     for n, fn, want in (
-        (d, lambda kc: cpu_dsa.sparse_logits(q, keys, 1, rows, idx, kc), want_l),
-        (k, lambda kc: cpu_dsa.sparse_values(p, keys, 1, rows, idx, v_dim, kc), want_v)):
+        (d, lambda kc: cpu_dsa.sparse_logits(q, keys, 1, rows, idx, v_dim, kc)[0], want_l),
+        (k, lambda kc: cpu_dsa.row_values(p, gathered[..., :v_dim], kc), want_v)):
       kc = next((bounds[1] for bounds in stream_matmul.candidates(n)
                  if np.array_equal(np.asarray(jax.jit(lambda: fn(bounds[1]))()), want)), None)
       if kc is None:
@@ -446,8 +446,8 @@ def sparse_mla_paged(cfg, q_abs, kv_pool, layer, read_bs, indices):
     return None
   if layer is None:
     kv_pool, layer = kv_pool[None], 0
-  logits = cpu_dsa.sparse_logits(q_abs, kv_pool, layer, read_bs, indices, kcs[0])
-  values = lambda p: cpu_dsa.sparse_values(p, kv_pool, layer, read_bs, indices, c, kcs[1])
+  logits, rows = cpu_dsa.sparse_logits(q_abs, kv_pool, layer, read_bs, indices, c, kcs[0])
+  values = lambda p: cpu_dsa.row_values(p, rows, kcs[1])
   out, _ = sparse_attention.attend_logits(logits * cfg.softmax_scale, indices, values,
                                           q_abs.dtype)
   return out

@@ -21,6 +21,8 @@ Two attention forms, equal in exact arithmetic:
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -331,12 +333,17 @@ class MLA(nn.Module):
     # with the batched kernel, and the indexer with the CPU ones: the same numbers, without
     # XLA's GEMM call per product, its gathers of the keys or its slow TopK.
     streamed = self.has_variable(P.STREAM_W, "w_uk")
-    einsum = stream_matmul.einsum if streamed else jnp.einsum
-    q_abs = absorb_query(q_nope, q_rope, w_uk, einsum)
+    einsum_uk = einsum_uv = jnp.einsum
+    if streamed:   # W_UK and W_UV read in place from their served stacks
+      einsum_uk, einsum_uv = (
+          functools.partial(stream_matmul.einsum, b_stack=stack, layer=layer)
+          for stack, layer in (P.served_stack(self, "w_uk", w_uk),
+                               P.served_stack(self, "w_uv", w_uv)))
+    q_abs = absorb_query(q_nope, q_rope, w_uk, einsum_uk)
     u, indices = mirrored_lanes(
         lambda *lanes: attend_cache(cfg, *lanes, new_cache["kv"], new_cache.get("k_idx"), at,
                                     streamed),
         (q_abs, q_i, w_i, inputs.doc_start, prev_indices, idx.read_bs, idx.limit_bt))
-    o = einsum("bthc,chv->bthv", u, w_uv)
+    o = einsum_uv("bthc,chv->bthv", u, w_uv)
     out = P.dense(self, "wo", o, wo.astype(jnp.dtype(cfg.dtype)))
     return out, layer_io.LayerAux(indexer_kl=None, topk_indices=indices), new_cache

@@ -105,6 +105,18 @@ def laid_out(module: nn.Module, name: str, w):
   return jnp.transpose(copy, np.argsort(SERVED_LAYOUTS[name]))
 
 
+def served_stack(module: nn.Module, name: str, w):
+  """(stack [R, ...], layer int32 []) of the copy `laid_out` reads for w (its layer stack, or
+  the unstacked copy as a stack of one), for a kernel that reads it in place; None where the
+  forward does not stream `module.<name>`."""
+  if not module.has_variable(STREAM_W, name):
+    return None
+  stack = module.get_variable(STREAM_W, name)
+  if stack.ndim == w.ndim + 1:
+    return stack, module.get_variable(STREAM_LAYER, name)
+  return stack[None], jnp.int32(0)
+
+
 def stream_collections(params, layers, laid=None):
   """The two collections of a streamed forward (`dense`, `laid_out`): `layers` is a subtree
   of `params`' paths whose leaves are the streamed weights' layer indices (int32 [R], or []
