@@ -84,7 +84,7 @@ const uint64_t* Smallest(Scratch& s, int64_t n, int64_t k) {
     for (const int shift : {21, 10, 0}) {
       const int bits = shift == 0 ? 10 : 11;
       uint32_t hist[2048] = {};
-      if (m == 0 && shift == 21) {
+      if (shift == 21) {   // every key
         for (int64_t i = 0; i < n; ++i) ++hist[key[i] >> 21];
       } else {
         for (int64_t i = 0; i < m; ++i) ++hist[(key[cand[i]] >> shift) & ((1u << bits) - 1)];
