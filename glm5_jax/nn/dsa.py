@@ -431,9 +431,10 @@ def sparse_mla_paged(cfg, q_abs, kv_pool, layer, read_bs, indices):
   glm5_jax/cpu_dsa.py's products at `sparse_kc`'s blocks, the masked softmax between them
   XLA's (`attend_logits`): the same numbers. None where that path does not apply (another
   impl, a sharded or non-float32 pool, more than PAGED_MAX_QUERIES queries per sequence, or
-  no `sparse_kc`): the caller reads the cache and calls `sparse_mla`. A prefill chunk keeps XLA's path: with `small`'s 32-token chunks through
-  the kernels, their outputs equalled XLA's in the same program, yet the engine's log-probs
-  moved by ~1e-6 (which op of the program moved was not found)."""
+  no `sparse_kc`): the caller reads the cache and calls `sparse_mla`. A prefill chunk keeps
+  XLA's path: with `small`'s 32-token chunks through the kernels, their outputs equalled
+  XLA's in the same program, yet the engine's log-probs moved by ~1e-6 (which op of the
+  program moved was not found)."""
   b, t = q_abs.shape[:2]
   c, s = cfg.kv_lora_rank, read_bs.shape[1]
   if (cfg.attention_impl != "xla" or kv_pool.dtype != jnp.float32

@@ -97,12 +97,13 @@ SERVED_LAYOUTS = {"w_uk": (1, 2, 0), "w_uv": (1, 0, 2)}
 def laid_out(module: nn.Module, name: str, w):
   """w; where the forward streams `module.<name>` (STREAM_W then holds its copy in
   SERVED_LAYOUTS[name]'s layout), that copy at the layer, transposed back: the same numbers,
-  and XLA cancels the transpose against its own, so the step reads the copy in place."""
-  if not module.has_variable(STREAM_W, name):
+  and XLA cancels the transpose against its own (a kernel that reads the copy in place, with
+  no slice of the stack, takes `served_stack`)."""
+  at = served_stack(module, name, w)
+  if at is None:
     return w
-  stack = module.get_variable(STREAM_W, name)
-  copy = stack[module.get_variable(STREAM_LAYER, name)] if stack.ndim == w.ndim + 1 else stack
-  return jnp.transpose(copy, np.argsort(SERVED_LAYOUTS[name]))
+  stack, layer = at
+  return jnp.transpose(stack[layer], np.argsort(SERVED_LAYOUTS[name]))
 
 
 def served_stack(module: nn.Module, name: str, w):
