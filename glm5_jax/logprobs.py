@@ -41,10 +41,21 @@ def _pick(x_btv, y_bt):
   return jnp.take_along_axis(x_btv, y_bt[..., None], axis=-1)[..., 0]
 
 
-def of_logits(logits_btv, y_bt):
+def log_softmax(x, row_max):
+  """`jax.nn.log_softmax(x, axis=-1)`'s arithmetic, op for op, with its maximum over the last
+  axis from `row_max` (one that gives `jnp.max`'s bits: `row_reduce.row_max`); its input's
+  gradient stopped, as jax stops the maximum's."""
+  shifted = x - row_max(jax.lax.stop_gradient(x))[..., None]
+  return shifted - jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True))
+
+
+def of_logits(logits_btv, y_bt, row_max=None):
   """log_softmax(logits)[y]: float32 [...] from logits [..., V] (any float dtype) and token
-  ids y [...]."""
-  return _pick(jax.nn.log_softmax(logits_btv.astype(jnp.float32), axis=-1), y_bt)
+  ids y [...]. row_max: None (`jax.nn.log_softmax`), or the maximum `log_softmax` takes
+  (the CPU engine's `row_reduce.row_max`: the same bits, tests/test_logprobs.py)."""
+  x = logits_btv.astype(jnp.float32)
+  return _pick(jax.nn.log_softmax(x, axis=-1) if row_max is None else log_softmax(x, row_max),
+               y_bt)
 
 
 def with_entropy(logits_btv, y_bt):

@@ -419,16 +419,17 @@ ffi::Error StreamMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 }
 
 // Groups: y[g] = x[g] @ w[index[g]] for g < count (x: [G, B, K], w: [R, K, N]), each group
-// as StreamMatmulImpl computes it (the same bits), y[g] = 0 past count; one work list over
-// every group's column chunks, so the threads stream one matrix after another without a
-// call, and a wake-up, per matrix. An item is a column chunk of one group over its k-blocks
-// in order (whole rows of w up to 4 distinct rows of x: a matrix of `small`'s experts).
+// as StreamMatmulImpl computes it (the same bits), y[g] = 0 past count; consecutive groups
+// of one matrix as one problem; one work list over every problem's column chunks, so the
+// threads stream one matrix after another without a call, and a wake-up, per matrix. An
+// item is a column chunk of one problem over its k-blocks in order (whole rows of w up to 4
+// distinct rows of x: a matrix of `small`'s experts).
 struct Grouped {
   struct Item {
     int64_t g, c0, c1;
   };
   std::vector<Problem> p;
-  std::vector<ColumnsFn> fn;   // per group: tiles, or null (rows streamed)
+  std::vector<ColumnsFn> fn;   // per problem: tiles, or null (rows streamed)
   std::vector<Item> items;
   int64_t blocks = 0;
   std::atomic<int64_t> next{0}, done{0};
@@ -466,21 +467,28 @@ ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   std::memset(y_all + used * B * N, 0, sizeof(float) * (G - used) * B * N);
   if (used == 0) return ffi::Error::Success();
 
+  // A run of consecutive groups with the same matrix is one problem (its rows contiguous in
+  // x and y): the matrix is read once.
+  std::vector<int64_t> first;
+  for (int64_t g = 0; g < used; ++g)
+    if (g == 0 || index.typed_data()[g] != index.typed_data()[g - 1]) first.push_back(g);
+  const int64_t problems = static_cast<int64_t>(first.size());
+  first.push_back(used);
   auto s = std::make_shared<Grouped>();
-  s->p.resize(used);
-  s->fn.assign(used, nullptr);
+  s->p.resize(problems);
+  s->fn.assign(problems, nullptr);
   s->blocks = (K + kc - 1) / kc;
-  std::vector<std::vector<int64_t>> copy_of(used);
+  std::vector<std::vector<int64_t>> copy_of(problems);
   const int64_t threads =
-      used * K * N * 4 < kMinSplit ? 1 : std::max<int64_t>(1, pool.num_threads());
-  const int64_t per_group = (2 * threads + used - 1) / used;   // items a group needs
-  for (int64_t g = 0; g < used; ++g) {
+      problems * K * N * 4 < kMinSplit ? 1 : std::max<int64_t>(1, pool.num_threads());
+  const int64_t per_group = (2 * threads + problems - 1) / problems;   // items a problem needs
+  for (int64_t g = 0; g < problems; ++g) {
     Problem& p = s->p[g];
-    p.x = x.typed_data() + g * B * K;
-    p.w = w.typed_data() + index.typed_data()[g] * K * N;
-    p.y = y_all + g * B * N;
+    p.x = x.typed_data() + first[g] * B * K;
+    p.w = w.typed_data() + index.typed_data()[first[g]] * K * N;
+    p.y = y_all + first[g] * B * N;
     p.K = K, p.N = N, p.kc = kc;
-    copy_of[g] = Distinct(p, B);
+    copy_of[g] = Distinct(p, (first[g + 1] - first[g]) * B);
     const int64_t u = static_cast<int64_t>(p.rows.size());
     int64_t chunk;
     if (u <= kRowStreamMax) {
@@ -496,7 +504,7 @@ ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   }
   RunPool(pool, threads, static_cast<int64_t>(s->items.size()), [s] { WorkGrouped(*s); },
           s->done);
-  for (int64_t g = 0; g < used; ++g) Mirror(s->p[g], copy_of[g]);
+  for (int64_t g = 0; g < problems; ++g) Mirror(s->p[g], copy_of[g]);
   return ffi::Error::Success();
 }
 

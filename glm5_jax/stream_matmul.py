@@ -102,7 +102,8 @@ def grouped_matmul(x_gbk, w_rkn, index_g, count, kc: int | None = None):
   """y [G, B, N]: y[g] = `matmul(x[g], w_rkn, index_g[g])` (the same bits) for g < count,
   zero past it (count: int32 [], in [0, G]; index_g: int32 [G]). One call for a step's
   expert blocks (`nn/ffn.py` `looped_swiglu`): the threads stream one matrix after another,
-  with no call, and no wake-up of the pool, per matrix. Needs `available()`."""
+  with no call, and no wake-up of the pool, per matrix; consecutive groups with the same
+  index read their matrix once. Needs `available()`."""
   if x_gbk.ndim != 3 or index_g.shape != x_gbk.shape[:1]:
     raise ValueError(f"stream_grouped_matmul: x must be [G, B, K] and index [G], got x "
                      f"{x_gbk.shape}, index {index_g.shape}")

@@ -57,11 +57,12 @@ def test_matmul_equals_xlas_matmul_bitwise(k, n, rows, rng):
 
 
 @pytest.mark.parametrize("k,n,b,used", [(512, 256, 8, 5), (256, 512, 8, 1), (64, 40, 80, 2),
-                                         (300, 72, 16, 0)])
+                                         (300, 72, 16, 0), (512, 256, 2, 6), (64, 40, 1, 5)])
 def test_grouped_matmul_is_each_groups_matmul_bitwise(k, n, b, used, rng):
   """Each group in use equals `matmul` of its rows by its matrix (rows streamed, or register
-  tiles at 80 rows; a group padded with zero rows, one with mirrored rows); groups past
-  `count` are zero, whatever their (out-of-range) index."""
+  tiles at 80 rows; a group padded with zero rows, one with mirrored rows; groups 1-3 one
+  matrix, a product of their rows together); groups past `count` are zero, whatever their
+  (out-of-range) index."""
   kc = stream_matmul.kc(k, n)
   if kc is None:
     pytest.skip(f"no block size of Eigen's rule matched XLA's matmul at [{k}, {n}] here")
@@ -71,6 +72,7 @@ def test_grouped_matmul_is_each_groups_matmul_bitwise(k, n, b, used, rng):
   x[0, 3:] = 0.0                                           # an expert block's padding
   x[1, 1:] = x[1, :1]                                      # a lone lane mirrored
   index = rng.integers(0, 4, g).astype(np.int32)
+  index[2:4] = index[1]
   index[used:] = 99
   run = jax.jit(stream_matmul.grouped_matmul, static_argnames="kc")
   got = np.asarray(run(jnp.asarray(x), w, jnp.asarray(index), jnp.int32(used), kc=kc))
@@ -203,8 +205,8 @@ def test_laid_out_copies_are_the_planned_weights_in_their_served_layouts(rng):
 
 
 def test_the_tiny_preset_is_not_streamed(tiny_cfg, tiny_params):
-  """Its weights (under placement.STREAM_MIN_BYTES) stay with XLA's matmul: the main job's
-  programs are unchanged."""
+  """Its weights (under placement.STREAM_MIN_BYTES and HEAD_STREAM_MIN_BYTES) stay with
+  XLA's matmul: the main job's programs are unchanged."""
   assert Engine(tiny_cfg, tiny_params, max_batch=1, max_len=16).stream_plan is None
 
 
@@ -220,6 +222,7 @@ def streamed_engines():
   def engine(speculative, streamed):
     with pytest.MonkeyPatch.context() as mp:
       mp.setattr(placement, "STREAM_MIN_BYTES", 0)
+      mp.setattr(placement, "HEAD_STREAM_MIN_BYTES", 0)
       return Engine(cfg, params, speculative=speculative, num_draft=1,
                     stream_matmul=streamed, **kw)
   return engine
@@ -235,6 +238,7 @@ def test_streamed_engines_keep_the_engines_bits(streamed_engines, speculative, r
   plan = streamed_engines(speculative, True).stream_plan
   assert streamed_engines(speculative, False).stream_plan is None
   assert plan["moe_layers"]["layer_0"]["moe"]["experts"]["w_gate"].shape == (2,)
+  assert plan["moe_layers"]["layer_0"]["moe"]["router"]["kernel"].shape == (2,)
   assert plan["mtp"]["layer"]["attn"]["wo"].shape == ()
   assert plan["lm_head"]["kernel"].shape == ()
   assert plan["moe_layers"]["layer_0"]["attn"]["w_uv"].shape == (2,)      # served laid out

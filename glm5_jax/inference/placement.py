@@ -29,7 +29,10 @@ from glm5_jax.inference import steps
 from glm5_jax.nn import layer_stack
 from glm5_jax.nn import params as params_lib
 
-STREAM_MIN_BYTES = 128 * 1024   # a smaller weight (per layer) keeps XLA's matmul
+# A smaller weight (per layer) keeps XLA's matmul. XLA:CPU multiplied `small`'s 64 KB
+# matrices (the router, the indexer's keys) at 16 rows in 9-40 us a layer.
+STREAM_MIN_BYTES = 64 * 1024
+HEAD_STREAM_MIN_BYTES = 128 * 1024   # the lm_head's (`tiny`'s, 96 KB, keeps XLA's)
 
 
 def serving_shardings(cfg, mesh, rules=None):
@@ -88,9 +91,9 @@ def stream_plan(cfg, served, mesh):
   None: on one CPU device with float32 activations and the kernel built, the float32
   matrices that the decoder stacks, the MTP layer and the lm_head multiply through
   `nn.params.dense` and the routed experts (`ffn.looped_swiglu`), of at least
-  STREAM_MIN_BYTES per layer (per expert), whose block size `stream_matmul.kc` finds; and
-  those of that size that `nn.params.SERVED_LAYOUTS` lists (served laid out for their
-  products, `laid_out_copies`). The leaves are int32 [R] (a stack's layers) or int32 [] (the
+  STREAM_MIN_BYTES per layer (per expert; the lm_head HEAD_STREAM_MIN_BYTES), whose block
+  size `stream_matmul.kc` finds; and those of that size that `nn.params.SERVED_LAYOUTS`
+  lists (served laid out for their products, `laid_out_copies`). The leaves are int32 [R] (a stack's layers) or int32 [] (the
   MTP layer, the lm_head): the served tree's `steps.STREAM_KEY` entry. `served`: the served
   tree's shapes."""
   if (mesh is not None or jax.devices()[0].platform != "cpu"
@@ -117,7 +120,7 @@ def stream_plan(cfg, served, mesh):
     plan[keys] = (np.arange(leaf.shape[0], dtype=np.int32) if stacked
                   else np.zeros((), np.int32))
   head = served["lm_head"]["kernel"]
-  if (head.dtype == jnp.float32 and head.size * 4 >= STREAM_MIN_BYTES
+  if (head.dtype == jnp.float32 and head.size * 4 >= HEAD_STREAM_MIN_BYTES
       and stream_matmul.kc(*head.shape) is not None):
     plan["lm_head", "kernel"] = np.zeros((), np.int32)
   return traverse_util.unflatten_dict(plan) if plan else None

@@ -159,15 +159,21 @@ def _all_greedy(st):
   return jnp.all(st["temp"] <= 0)
 
 
-def _pick(logits_bv, st):
+def _row_kernels(params) -> bool:
+  """Whether the vocabulary's reductions run as `row_reduce`'s kernels (the same numbers):
+  where the weights are served streamed, i.e. on one CPU device (placement.py)."""
+  return STREAM_KEY in params
+
+
+def _pick(logits_bv, st, kernel: bool):
   """Sample the next token per row; returns (token [b], raw log-prob [b])."""
   def draw():
     logq = sampling.sampling_logprobs(logits_bv, st["temp"], st["top_k"], st["top_p"])
     keys = sampling.row_keys(st["seed"], st["req"], st["n_gen"])
     return sampling.sample(keys, logq)
 
-  tok = jax.lax.cond(_all_greedy(st), lambda: sampling.greedy(logits_bv), draw)
-  return tok, sampling.raw_logprobs(logits_bv, tok)
+  tok = jax.lax.cond(_all_greedy(st), lambda: sampling.greedy(logits_bv, kernel), draw)
+  return tok, sampling.raw_logprobs(logits_bv, tok, kernel)
 
 
 def prefill(cfg, block_size, with_mtp, params, cache, h_last, table_bm, tokens_bt, start_b,
@@ -185,7 +191,7 @@ def prefill(cfg, block_size, with_mtp, params, cache, h_last, table_bm, tokens_b
                        routing)
   last = jnp.maximum(n_valid_b - 1, 0)
   take = lambda x: jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
-  tok, lp = _pick(head(cfg, params, take(out.hidden)), st)
+  tok, lp = _pick(head(cfg, params, take(out.hidden)), st, _row_kernels(params))
   if with_mtp:
     # MTP rows start-1 .. start+n-2 from (tokens[i], main hidden at row start-1+i).
     h0 = out.last_hidden
@@ -245,7 +251,8 @@ def decode(cfg, block_size, n_steps, params, cache, table_bm, st, routing: bool 
     tok, pos, table = mirror_idle(st["active"], st["tok"], st["pos"], table_bm)
     out, cache = forward(cfg, block_size, params, cache, table, tok[:, None], pos, emit,
                          routing)
-    tok, lp = _pick(lane_head(cfg, params, out.hidden[:, 0], st["active"]), st)
+    tok, lp = _pick(lane_head(cfg, params, out.hidden[:, 0], st["active"]), st,
+                    _row_kernels(params))
     topk = _stack_topk(out.topk_indices)
     res = {"tok": tok, "logprob": lp, "emit": emit, "pos": st["pos"],
            "topk": None if topk is None else topk[:, :, 0],
@@ -300,6 +307,7 @@ def speculative_round(cfg, block_size, n_draft, params, cache, fold, table_bm, s
   act = st["active"].astype(jnp.int32)
   n0 = st["pos"]
   all_greedy = _all_greedy(st)
+  kernel = _row_kernels(params)
   def draw_keys():                                                       # [b, D+1, key]
     keys = sampling.row_keys(st["seed"], st["req"], st["n_gen"])
     return jax.vmap(lambda k: jax.random.split(k, d + 1))(keys)
@@ -311,7 +319,7 @@ def speculative_round(cfg, block_size, n_draft, params, cache, fold, table_bm, s
     def draw():
       logq = sampling.sampling_logprobs(logits_bv, st["temp"], st["top_k"], st["top_p"])
       return sampling.sample(keys[:, k], logq), logq
-    return jax.lax.cond(all_greedy, lambda: (sampling.greedy(logits_bv),
+    return jax.lax.cond(all_greedy, lambda: (sampling.greedy(logits_bv, kernel),
                                              jnp.zeros(logits_bv.shape, jnp.float32)), draw)
 
   # 1. Draft with the shared MTP module: catch-up rows + draft 1 in one call, then one
@@ -359,10 +367,11 @@ def speculative_round(cfg, block_size, n_draft, params, cache, fold, table_bm, s
                                       rep(st["top_k"]), rep(st["top_p"])).reshape(b, d + 1, v)
     return sampling.speculative_accept(keys[:, d], drafts_bd, logq_bdv, logp)
 
-  n_acc, y = jax.lax.cond(all_greedy, lambda: sampling.greedy_accept(drafts_bd, logits), accept)
+  n_acc, y = jax.lax.cond(all_greedy,
+                          lambda: sampling.greedy_accept(drafts_bd, logits, kernel), accept)
   i_t = jnp.arange(d + 1)[None, :]
   out_tok = jnp.where(i_t < n_acc[:, None], jnp.pad(drafts_bd, ((0, 0), (0, 1))), y[:, None])
-  out_lp = sampling.raw_logprobs(logits, out_tok)
+  out_lp = sampling.raw_logprobs(logits, out_tok, kernel)
   is_stop = jnp.any(out_tok[..., None] == st["stop"][:, None, :], axis=-1) & (i_t <= n_acc[:, None])
   has_stop = jnp.any(is_stop, -1)
   first_stop = jnp.where(has_stop, jnp.argmax(is_stop, -1) + 1, d + 1)

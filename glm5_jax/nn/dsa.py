@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from glm5_jax import cpu_dsa
+from glm5_jax import row_reduce
 from glm5_jax import sharding as shd
 from glm5_jax import stream_matmul
 from glm5_jax.nn import kv_cache
@@ -429,7 +430,7 @@ def sparse_mla_paged(cfg, q_abs, kv_pool, layer, read_bs, indices):
   `layer`, or [N, c+p] with layer None; read_bs [b, s] each position's pool row), for the CPU
   engine's decode steps: the selected rows read straight from the pool by
   glm5_jax/cpu_dsa.py's products at `sparse_kc`'s blocks, the masked softmax between them
-  XLA's (`attend_logits`): the same numbers. None where that path does not apply (another
+  XLA's (`attend_logits`, its maximum by glm5_jax/row_reduce.py): the same numbers. None where that path does not apply (another
   impl, a sharded or non-float32 pool, more than PAGED_MAX_QUERIES queries per sequence, or
   no `sparse_kc`): the caller reads the cache and calls `sparse_mla`. A prefill chunk keeps
   XLA's path: with `small`'s 32-token chunks through the kernels, their outputs equalled
@@ -450,5 +451,5 @@ def sparse_mla_paged(cfg, q_abs, kv_pool, layer, read_bs, indices):
   logits, rows = cpu_dsa.sparse_logits(q_abs, kv_pool, layer, read_bs, indices, c, kcs[0])
   values = lambda p: cpu_dsa.row_values(p, rows, kcs[1])
   out, _ = sparse_attention.attend_logits(logits * cfg.softmax_scale, indices, values,
-                                          q_abs.dtype)
+                                          q_abs.dtype, row_reduce.row_max)
   return out

@@ -68,9 +68,20 @@ def _counts(ids_nk, e):
   return jnp.bincount(ids_nk.reshape(-1), length=e).astype(jnp.int32)
 
 
-def _sort_by_expert(ids_nk):
-  """(order [n*K]: pair indices sorted by expert, stable; token_of [n*K]: their tokens)."""
-  order = jnp.argsort(ids_nk.reshape(-1), stable=True)
+def _sort_by_expert(ids_nk, by_rank: bool = False):
+  """(order [n*K]: pair indices sorted by expert, stable; token_of [n*K]: their tokens).
+  by_rank: the same order from each pair's rank (pairs of a lower expert, or of its expert
+  and earlier), compared all against all: for a decode step's few pairs (XLA:CPU sorted 64
+  in ~15 us)."""
+  ids = ids_nk.reshape(-1)
+  if by_rank:
+    i = jnp.arange(ids.shape[0])
+    before = (ids[None, :] < ids[:, None]) | ((ids[None, :] == ids[:, None])
+                                              & (i[None, :] < i[:, None]))
+    rank = jnp.sum(before, axis=1, dtype=jnp.int32)
+    order = jnp.zeros_like(rank).at[rank].set(i.astype(jnp.int32), unique_indices=True)
+  else:
+    order = jnp.argsort(ids, stable=True)
   return order, order // ids_nk.shape[1]
 
 
@@ -106,21 +117,31 @@ def blocked_rows(n_pairs: int, n_experts: int, smallest: int = 16) -> int:
   return (n_pairs + min(n_experts, n_pairs) * (b - 1)) // b * b
 
 
-def _blocks(x_nd, ids_nk, e: int, b: int, nb: int):
+def _blocks(x_nd, ids_nk, e: int, b: int, nb: int, engine: bool = False):
   """The blocked layout: the n*K (token, expert) pairs sorted by expert, each expert's rows
   padded to whole blocks of b rows. Returns (xs [nb, b, d] (padding rows zero), row [n*K]:
   each sorted pair's padded row, order [n*K], token_of [n*K], sizes [E], block_expert [nb]:
   the expert of each block (blocks past the last used one: any), used: int32 [] blocks
-  that hold rows)."""
+  that hold rows).
+
+  engine: for the engine's forward, never differentiated (the two forms' gradients could
+  add a token's rows in another order), the same values: xs as one gather of each padded
+  row's token, not rows scattered into a zero buffer (at a decode step of `small`, 16
+  tokens, filling and scattering a [288, 512] buffer took ~50 us a layer), and the pairs
+  ordered by rank (`_sort_by_expert`) up to 256 pairs."""
   n, k = ids_nk.shape
-  order, token_of = _sort_by_expert(ids_nk)
+  order, token_of = _sort_by_expert(ids_nk, by_rank=engine and n * k <= 256)
   sizes = _counts(ids_nk, e)
   padded = (sizes + b - 1) // b * b                              # [E] rows, whole blocks
   padded_end = jnp.cumsum(padded)
   expert_of = ids_nk.reshape(-1)[order]                          # [n*K], sorted
   rank = jnp.arange(n * k) - (jnp.cumsum(sizes) - sizes)[expert_of]
   row = (padded_end - padded)[expert_of] + rank                  # each pair's padded row
-  xs = jnp.zeros((nb * b, x_nd.shape[1]), x_nd.dtype).at[row].set(x_nd[token_of])
+  if engine:
+    src = jnp.full((nb * b,), n, jnp.int32).at[row].set(token_of)   # n: a padding row
+    xs = jnp.where((src < n)[:, None], x_nd[jnp.minimum(src, n - 1)], 0).astype(x_nd.dtype)
+  else:
+    xs = jnp.zeros((nb * b, x_nd.shape[1]), x_nd.dtype).at[row].set(x_nd[token_of])
   block_expert = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(nb) * b, side="right"),
                              e - 1)
   return xs.reshape(nb, b, -1), row, order, token_of, sizes, block_expert, padded_end[-1] // b
@@ -177,15 +198,21 @@ def looped_swiglu(x_nd, ids_nk, weights_nk, w_gate_edi, w_up_edi, w_down_eid, la
   layer and step, before the loop could start.
   stream: no loop; each of the three matmuls is one call of the streamed CPU kernel over
   every block in use (glm5_jax/stream_matmul.py `grouped_matmul`: the same bits, each
-  block's expert matrix read straight from the (stacked) weights, no copy, a block's
-  mirrored rows computed once, the blocks' matrices streamed one after another with no call
-  per block); float32 weights only (the engine's `stream_plan`).
+  expert's matrix read once, straight from the (stacked) weights, no copy, mirrored rows
+  computed once, the matrices streamed one after another with no call per block); float32
+  weights only (the engine's `stream_plan`). Its blocks have any number of rows (the kernel
+  gives every row count the same bits; an expert's consecutive blocks are one product):
+  about the mean rows per expert (`block_rows(..., smallest=1)`), so that the steps around
+  the products (the blocked rows' gather, the SwiGLU) run over few padding rows (at a
+  decode step of `small`, 16 tokens: 96 rows, not 288).
   """
   n, k = ids_nk.shape
   e, d = w_gate_edi.shape[-3], x_nd.shape[1]
-  b = block_rows(n * k, e, smallest=8)
-  nb = blocked_rows(n * k, e, smallest=8) // b
-  xs, row, order, token_of, sizes, block_expert, used = _blocks(x_nd, ids_nk, e, b, nb)
+  smallest = 1 if stream else 8
+  b = block_rows(n * k, e, smallest=smallest)
+  nb = blocked_rows(n * k, e, smallest=smallest) // b
+  xs, row, order, token_of, sizes, block_expert, used = _blocks(x_nd, ids_nk, e, b, nb,
+                                                                engine=True)
 
   if stream:   # one call per matrix kind, its blocks in use streamed one after another
     at = block_expert if layer is None else layer * e + block_expert

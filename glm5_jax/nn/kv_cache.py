@@ -137,9 +137,12 @@ def read(pool, read_bs, layer=None):
 
 
 def block_rows(table_bm, block_size: int):
-  """int32 [b, m * block_size]: pool row of every logical position of each block table."""
-  j = jnp.arange(table_bm.shape[1] * block_size, dtype=jnp.int32)
-  return table_bm[:, j // block_size] * block_size + j % block_size
+  """int32 [b, m * block_size]: pool row of every logical position of each block table.
+  A broadcast, not a gather of the table's entries (XLA:CPU ran that gather, fused with the
+  engine's lane mirroring, at ~13 ns an element: 0.4 ms of a decode step at 16 x 2048)."""
+  b, m = table_bm.shape
+  rows = table_bm[:, :, None] * block_size + jnp.arange(block_size, dtype=table_bm.dtype)
+  return rows.reshape(b, m * block_size)
 
 
 def chunk_index(table_bm, block_size: int, start_b, n_valid_b, t: int, num_rows: int,

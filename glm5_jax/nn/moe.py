@@ -44,14 +44,17 @@ from glm5_jax.nn import moe_ep
 from glm5_jax.nn import params as P
 
 
-def route(cfg, x_nd, router_de, bias_e, replay_nk=None):
+def route(cfg, x_nd, router_de, bias_e, replay_nk=None, matmul=None):
   """Sigmoid top-K routing. Returns (expert ids int32 [n, K], weights f32 [n, K]).
 
   replay_nk: int32 [n, K] experts recorded by the rollout engine (rollout routing replay,
   R3): a token whose row holds them (>= 0) uses those experts; its weights still come from
   this forward's scores (and the gradient through them). -1 rows route as usual.
+  matmul: None (`x @ router`), or the same product another way (the engine's streamed
+  kernel, `Router`).
   """
-  scores = jax.nn.sigmoid(x_nd.astype(jnp.float32) @ router_de.astype(jnp.float32))
+  x, w = x_nd.astype(jnp.float32), router_de.astype(jnp.float32)
+  scores = jax.nn.sigmoid(x @ w if matmul is None else matmul(x, w))
   choice = scores + jax.lax.stop_gradient(bias_e.astype(jnp.float32))
   if cfg.n_group > 1:
     n, e = choice.shape
@@ -143,7 +146,9 @@ class Router(nn.Module):
                      ("embed", "router_experts"), "float32")
     bias = P.param(self, "e_score_correction_bias", nn.initializers.zeros,
                    (cfg.n_routed_experts,), ("router_experts",), "float32")
-    return route(cfg, x_nd, kernel, bias, replay_nk)
+    streamed = self.has_variable(P.STREAM_W, "kernel")   # the engine's streamed forward
+    return route(cfg, x_nd, kernel, bias, replay_nk,
+                 functools.partial(P.dense, self, "kernel") if streamed else None)
 
 
 class Experts(nn.Module):

@@ -60,10 +60,10 @@ def host_initializer(path, cfg):
 STREAM_W, STREAM_LAYER = "stream_w", "stream_layer"
 STREAM_MAX_ROWS = 64     # rows beyond which the matmul stays XLA's (prefill chunks)
 # The weights a module multiplies through `dense`, and how many leading axes each contracts
-# (the lm_head's "kernel", nn/embed.py, is not listed: the routers' weights share its name and
-# are not multiplied through `dense`; a name not listed contracts one axis).
+# ("kernel": the routers' weights, nn/moe.py, and the lm_head's, nn/embed.py; a name not
+# listed contracts one axis).
 DENSE_WEIGHTS = {"wq_a": 1, "wq_b": 1, "wkv_a": 1, "wo": 2, "wk": 1, "weights_proj": 1,
-                 "w_gate": 1, "w_up": 1, "w_down": 1, "eh_proj": 1}
+                 "w_gate": 1, "w_up": 1, "w_down": 1, "eh_proj": 1, "kernel": 1}
 
 
 def dense(module: nn.Module, name: str, x, w, preferred_element_type=None,

@@ -43,19 +43,31 @@ def _attend_chunk(q_bchd, kv_bsd, idx_bck, v_dim: int, scale: float, dtype=None,
   return attend_logits(logits, idx_bck, values, q_bchd.dtype)
 
 
-def attend_logits(logits_bchk, idx_bck, values, dtype):
+def logsumexp(x, row_max):
+  """`jax.nn.logsumexp(x, axis=-1)`'s arithmetic, op for op, for real x, with its maximum over
+  the last axis from `row_max` (one that gives `jnp.max`'s bits), its input's gradient
+  stopped, as jax stops the maximum's."""
+  amax = row_max(jax.lax.stop_gradient(x))
+  amax = jax.lax.select(jnp.isfinite(amax), amax, jnp.zeros_like(amax))
+  sumexp = jnp.abs(jnp.sum(jnp.exp(x - amax[..., None]), axis=-1))
+  return jnp.log(sumexp) + amax
+
+
+def attend_logits(logits_bchk, idx_bck, values, dtype, row_max=None):
   """(out [b, c, h, v] dtype, lse [b, c, h] float32) from the scaled logits of the selected
   slots: their masked softmax (an empty slot, -1, masked; a query with none gives out 0 and
   lse -inf), then `values(p)`: the float32 products of p [b, c, h, k] (dtype) with the slots'
   value rows. The part of `_attend_chunk` after the logits, shared with the CPU engine's
-  paged products (glm5_jax/cpu_dsa.py)."""
+  paged products (glm5_jax/cpu_dsa.py). row_max: None (`jax.nn.logsumexp`), or the maximum
+  `logsumexp` takes (the CPU engine's exact kernel, glm5_jax/row_reduce.py)."""
   logits = logits_bchk
   valid_bck = idx_bck >= 0
   any_valid = jnp.any(valid_bck, axis=-1)[:, :, None]
   # Empty rows: logits left finite (0) so that neither lse nor its gradient is NaN.
   keep = valid_bck[:, :, None, :] | ~any_valid[..., None]
   logits = jnp.where(keep, jnp.where(valid_bck[:, :, None, :], logits, 0.0), -jnp.inf)
-  lse_bch = jax.nn.logsumexp(logits, axis=-1)
+  lse_bch = (jax.nn.logsumexp(logits, axis=-1) if row_max is None
+             else logsumexp(logits, row_max))
   p = jnp.where(any_valid[..., None], jnp.exp(logits - lse_bch[..., None]), 0.0)
   out = values(p.astype(dtype))
   lse_bch = jnp.where(any_valid, lse_bch, -jnp.inf)

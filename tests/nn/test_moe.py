@@ -253,3 +253,11 @@ def test_moe_gather_path_gradients_equal_grouped_path(rng):
                                g_pad[0]["params"]["experts"][name], rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(g_few[0]["params"]["router"]["kernel"],
                              g_pad[0]["params"]["router"]["kernel"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n,k,e", [(16, 4, 32), (1, 4, 8), (64, 4, 4), (7, 2, 3)])
+def test_pairs_ordered_by_rank_are_the_stable_argsort(rng, n, k, e):
+  """The engine's all-pairs ranking gives the stable sort's order (ties in pair order)."""
+  ids = jnp.asarray(rng.integers(0, e, (n, k)), jnp.int32)
+  for got, want in zip(ffn._sort_by_expert(ids, by_rank=True), ffn._sort_by_expert(ids)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
