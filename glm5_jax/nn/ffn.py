@@ -127,8 +127,9 @@ def _blocks(x_nd, ids_nk, e: int, b: int, nb: int, engine: bool = False):
   engine: for the engine's forward, never differentiated (the two forms' gradients could
   add a token's rows in another order), the same values: xs as one gather of each padded
   row's token, not rows scattered into a zero buffer (at a decode step of `small`, 16
-  tokens, filling and scattering a [288, 512] buffer took ~50 us a layer), and the pairs
-  ordered by rank (`_sort_by_expert`) up to 256 pairs."""
+  tokens, filling and scattering a [288, 512] buffer took ~50 us a layer), the pairs
+  ordered by rank (`_sort_by_expert`) up to 256 pairs, and each block's expert found by
+  comparing its first row with every expert's end."""
   n, k = ids_nk.shape
   order, token_of = _sort_by_expert(ids_nk, by_rank=engine and n * k <= 256)
   sizes = _counts(ids_nk, e)
@@ -142,7 +143,9 @@ def _blocks(x_nd, ids_nk, e: int, b: int, nb: int, engine: bool = False):
     xs = jnp.where((src < n)[:, None], x_nd[jnp.minimum(src, n - 1)], 0).astype(x_nd.dtype)
   else:
     xs = jnp.zeros((nb * b, x_nd.shape[1]), x_nd.dtype).at[row].set(x_nd[token_of])
-  block_expert = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(nb) * b, side="right"),
+  # (the engine's: all against all; XLA:CPU ran the default scan as a while loop, ~19 us)
+  block_expert = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(nb) * b, side="right",
+                                              method="compare_all" if engine else "scan"),
                              e - 1)
   return xs.reshape(nb, b, -1), row, order, token_of, sizes, block_expert, padded_end[-1] // b
 
