@@ -52,7 +52,7 @@ def log_softmax(x, row_max):
 def of_logits(logits_btv, y_bt, row_max=None):
   """log_softmax(logits)[y]: float32 [...] from logits [..., V] (any float dtype) and token
   ids y [...]. row_max: None (`jax.nn.log_softmax`), or the maximum `log_softmax` takes
-  (the CPU engine's `row_reduce.row_max`: the same bits, tests/test_logprobs.py)."""
+  (the CPU engine's `row_reduce.row_max`: the same bits, tests/test_row_reduce.py)."""
   x = logits_btv.astype(jnp.float32)
   return _pick(jax.nn.log_softmax(x, axis=-1) if row_max is None else log_softmax(x, row_max),
                y_bt)

@@ -93,9 +93,9 @@ def stream_plan(cfg, served, mesh):
   `nn.params.dense` and the routed experts (`ffn.looped_swiglu`), of at least
   STREAM_MIN_BYTES per layer (per expert; the lm_head HEAD_STREAM_MIN_BYTES), whose block
   size `stream_matmul.kc` finds; and those of that size that `nn.params.SERVED_LAYOUTS`
-  lists (served laid out for their products, `laid_out_copies`). The leaves are int32 [R] (a stack's layers) or int32 [] (the
-  MTP layer, the lm_head): the served tree's `steps.STREAM_KEY` entry. `served`: the served
-  tree's shapes."""
+  lists (served laid out for their products, `laid_out_copies`). The leaves are int32 [R]
+  (a stack's layers) or int32 [] (the MTP layer, the lm_head): the served tree's
+  `steps.STREAM_KEY` entry. `served`: the served tree's shapes."""
   if (mesh is not None or jax.devices()[0].platform != "cpu"
       or jnp.dtype(cfg.dtype) != jnp.float32 or not stream_matmul.available()):
     return None
