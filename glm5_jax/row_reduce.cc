@@ -34,6 +34,17 @@ inline uint32_t Bits(float x) {
   return b;
 }
 
+inline float Float(uint32_t bits) {
+  float x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+// The float whose key is k (Key is its own inverse: the sign bit it reads stays).
+inline float FromKey(int32_t k) {
+  return Float(static_cast<uint32_t>(Key(static_cast<uint32_t>(k))));
+}
+
 // The first NaN's position in x[0, n), or -1.
 int64_t FirstNan(const float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i)
@@ -91,28 +102,14 @@ float RowMax(const float* x, int64_t n) {
   if (n == 0) return -std::numeric_limits<float>::infinity();
   bool nan;
   const int32_t k = MaxKey(x, n, &nan);
-  uint32_t bits;
-  if (nan) {
-    bits = Bits(x[FirstNan(x, n)]);
-  } else {
-    bits = static_cast<uint32_t>(k);
-    bits ^= static_cast<uint32_t>(static_cast<int32_t>(bits) >> 31) & 0x7FFFFFFFu;
-  }
-  float out;
-  std::memcpy(&out, &bits, sizeof out);
-  return out;
+  return nan ? x[FirstNan(x, n)] : FromKey(k);
 }
 
 int32_t RowArgmax(const float* x, int64_t n) {
   if (n == 0) return 0;
   bool nan;
   const int32_t k = MaxKey(x, n, &nan);
-  if (nan) return static_cast<int32_t>(FirstNan(x, n));
-  uint32_t bits = static_cast<uint32_t>(k);
-  bits ^= static_cast<uint32_t>(static_cast<int32_t>(bits) >> 31) & 0x7FFFFFFFu;
-  float m;
-  std::memcpy(&m, &bits, sizeof m);
-  return static_cast<int32_t>(FirstEqual(x, n, m));
+  return static_cast<int32_t>(nan ? FirstNan(x, n) : FirstEqual(x, n, FromKey(k)));
 }
 
 ffi::Error Shape(ffi::Buffer<ffi::F32>& x, int64_t* rows, int64_t* n) {
