@@ -19,11 +19,15 @@ with:
      `paged_scores_exact` checks that at each shape on seeded data before the engine uses
      it).
   2. `top_k`: `lax.top_k`'s values and positions, bit for bit: each element keyed once by
-     the float's total order, the k-th largest found by a radix selection, the k selected
-     in position order and sorted by a stable radix sort. A pure selection: descending in
-     float32's total order (-NaN < -inf < -0.0 < +0.0 < +inf < +NaN), equal values in
-     ascending position. Trailing -inf (the indexer's masked positions) are skipped when k
-     elements before them rank above -inf.
+     the float's total order, the k-th largest found by a radix selection (then among the
+     few that share its top bits), the k selected in position order and sorted by their top
+     bits, then within each bin (keys and positions are unique pairs: the order is stable).
+     A pure selection: descending in float32's total order (-NaN < -inf < -0.0 < +0.0 <
+     +inf < +NaN), equal values in ascending position. Trailing -inf (the indexer's masked
+     positions) are skipped when k elements before them rank above -inf.
+     `paged_topk` runs 1 and 2 in one call, as the engine uses them: each query's scores
+     masked (`deterministic_topk`: its window, NaN hidden) and selected by the thread that
+     computed them, -1 past the visible ones.
   3. `sparse_logits` and `row_values`: q . row and sum_k p[k] row[:v] over the selected rows
      (`pallas_kernels/sparse_attention/xla.py`), each output XLA's chain (from zero in
      blocks of kc, the blocks' sums added in order: glm5_jax/stream_matmul.py; `nn/dsa.py`
@@ -51,6 +55,7 @@ from glm5_jax import cpu_ffi
 SOURCE = pathlib.Path(__file__).with_name("cpu_dsa.cc")
 TOPK_TARGET = "glm5_cpu_topk"
 PAGED_TARGET = "glm5_paged_index_scores"
+PAGED_TOPK_TARGET = "glm5_paged_index_topk"
 LOGITS_TARGET = "glm5_paged_sparse_logits"
 VALUES_TARGET = "glm5_row_values"
 
@@ -60,6 +65,7 @@ def available() -> bool:
   """Whether the kernels are registered with XLA:CPU (built and loaded on first call)."""
   return cpu_ffi.load(SOURCE, ((TOPK_TARGET, "Glm5TopK"),
                                (PAGED_TARGET, "Glm5PagedIndexScores"),
+                               (PAGED_TOPK_TARGET, "Glm5PagedIndexTopK"),
                                (LOGITS_TARGET, "Glm5PagedSparseLogits"),
                                (VALUES_TARGET, "Glm5RowValues")))
 
@@ -97,6 +103,33 @@ def paged_scores(q_btjd, w_btj, keys_lnd, layer, rows_bs, limit_bt):
   return call(q_btjd.astype(f32), w_btj.astype(f32), keys_lnd.astype(f32),
               jnp.asarray(layer, jnp.int32), rows_bs.astype(jnp.int32),
               limit_bt.astype(jnp.int32))
+
+
+def paged_topk(q_btjd, w_btj, keys_lnd, layer, rows_bs, limit_bt, topk: int, start_bt=None):
+  """int32 [b, t, topk]: `deterministic_topk(paged_scores(...), limit, topk, start, top_k)`
+  (pallas_kernels/lightning_indexer/xla.py) in one call, each query's scores kept in the
+  thread that selects from them: the positions start[b, t] <= s <= limit[b, t] whose score is
+  not NaN, in lax.top_k's order (descending, ties -> lower position), -1 past the number of
+  them. Arguments as `paged_scores`'; start_bt int32 [b, t] (default 0). Needs
+  `available()`."""
+  b, t, j, d = q_btjd.shape
+  if (w_btj.shape != (b, t, j) or keys_lnd.ndim != 3 or keys_lnd.shape[2] != d
+      or rows_bs.ndim != 2 or rows_bs.shape[0] != b or limit_bt.shape != (b, t)
+      or (start_bt is not None and start_bt.shape != (b, t))):
+    raise ValueError(f"paged_topk: q [b, t, j, d], w [b, t, j], keys [L, N, d], rows [b, s], "
+                     f"limit and start [b, t]; got q {q_btjd.shape}, w {w_btj.shape}, keys "
+                     f"{keys_lnd.shape}, rows {rows_bs.shape}, limit {limit_bt.shape}, start "
+                     f"{None if start_bt is None else start_bt.shape}")
+  if topk < 0:
+    raise ValueError(f"paged_topk: topk must be >= 0, got {topk}")
+  if keys_lnd.shape[1] * d >= 2 ** 31:
+    raise ValueError(f"paged_topk: a layer of keys {keys_lnd.shape[1:]} is over 2^31 floats")
+  f32, i32 = jnp.float32, jnp.int32
+  start_bt = jnp.zeros((b, t), i32) if start_bt is None else start_bt
+  call = jax.ffi.ffi_call(PAGED_TOPK_TARGET, jax.ShapeDtypeStruct((b, t, topk), i32))
+  return call(q_btjd.astype(f32), w_btj.astype(f32), keys_lnd.astype(f32),
+              jnp.asarray(layer, i32), rows_bs.astype(i32), limit_bt.astype(i32),
+              start_bt.astype(i32))
 
 
 def _check_sparse(name, x, keys, rows, idx):

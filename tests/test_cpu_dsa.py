@@ -161,10 +161,36 @@ def test_paged_scores_equal_xlas_at_the_engines_shapes():
                                    2048)
 
 
+@pytest.mark.parametrize("b,t,j,d,n,s,topk,dup,starts", [
+    (16, 1, 8, 32, 700, 100, 32, False, False),   # `small`'s decode shapes
+    (2, 2, 12, 20, 90, 37, 16, True, True),       # verify: 2 queries, heads past 8, ties
+    (3, 1, 5, 16, 40, 10, 16, True, True),        # more slots than positions: -1 pads
+    (1, 1, 8, 32, 300, 64, 64, False, False),     # every position selected
+])
+def test_paged_topk_is_deterministic_topk_of_the_paged_scores(b, t, j, d, n, s, topk, dup,
+                                                                starts, rng):
+  """One call equals the scores then XLA's masked top-k: windows from start to limit, NaN
+  and infinite scores, exact ties (repeated key rows) kept in position order."""
+  q, w, keys, rows, limit = _paged_inputs(rng, b, t, j, d, n, s)
+  if dup:
+    rows = rng.integers(0, 4, (b, s)).astype(np.int32)
+  keys[2, 1] = np.nan                                  # its scores are NaN: never selected
+  keys[2, 2, 0] = np.inf                               # +-inf or NaN scores
+  start = rng.integers(0, s // 2 + 1, (b, t)).astype(np.int32) if starts else None
+  got = jax.jit(cpu_dsa.paged_topk, static_argnums=6)(q, w, keys, 2, rows, limit, topk, start)
+  scores = cpu_dsa.paged_scores(q, w, keys, 2, rows, limit)
+  want = jax.jit(indexer_xla.deterministic_topk, static_argnums=2)(scores, limit, topk, start)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_paged_scores_name_bad_shapes(rng):
   q, w, keys, rows, limit = _paged_inputs(rng, 2, 1, 4, 8, 10, 6)
   with pytest.raises(ValueError, match="rows .b, s., limit .b, t."):
     cpu_dsa.paged_scores(q, w, keys, 0, rows, limit[:1])
+  with pytest.raises(ValueError, match="limit and start .b, t."):
+    cpu_dsa.paged_topk(q, w, keys, 0, rows, limit, 4, limit[:, :0])
+  with pytest.raises(ValueError, match="topk must be >= 0"):
+    cpu_dsa.paged_topk(q, w, keys, 0, rows, limit, -1)
 
 
 def test_the_paged_indexer_selects_what_select_topk_selects(rng):

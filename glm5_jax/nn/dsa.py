@@ -373,8 +373,8 @@ def topk_indices_paged(q, w, keys_pool, layer, read_bs, limit_bt, topk: int, sta
   """`topk_indices` (impl "xla") over each sequence's keys in a paged cache (nn/kv_cache.py:
   pool [L, N, d_i] at `layer`, or [N, d_i] with layer None; read_bs [b, s] the pool row of
   each position; limit_bt [b, t]), for the CPU engine: the scores straight from the pool at
-  the visible positions (`cpu_dsa.paged_scores`, no gather of the keys), the top-k by
-  `cpu_dsa.top_k`; the same indices. None where that does not apply (a non-float32 or
+  the visible positions (no gather of the keys) and their top-k, in one call
+  (`cpu_dsa.paged_topk`); the same indices. None where that does not apply (a non-float32 or
   sharded pool, or `paged_scores_exact` False): the caller reads the keys."""
   s = read_bs.shape[1]
   if (keys_pool.dtype != jnp.float32
@@ -383,8 +383,7 @@ def topk_indices_paged(q, w, keys_pool, layer, read_bs, limit_bt, topk: int, sta
     return None
   if layer is None:
     keys_pool, layer = keys_pool[None], 0
-  scores = cpu_dsa.paged_scores(q, w, keys_pool, layer, read_bs, limit_bt)
-  return lightning_indexer.deterministic_topk(scores, limit_bt, topk, start, cpu_dsa.top_k)
+  return cpu_dsa.paged_topk(q, w, keys_pool, layer, read_bs, limit_bt, topk, start)
 
 
 @functools.lru_cache(maxsize=None)
@@ -430,9 +429,10 @@ def sparse_mla_paged(cfg, q_abs, kv_pool, layer, read_bs, indices):
   `layer`, or [N, c+p] with layer None; read_bs [b, s] each position's pool row), for the CPU
   engine's decode steps: the selected rows read straight from the pool by
   glm5_jax/cpu_dsa.py's products at `sparse_kc`'s blocks, the masked softmax between them
-  XLA's (`attend_logits`, its maximum by glm5_jax/row_reduce.py): the same numbers. None where that path does not apply (another
-  impl, a sharded or non-float32 pool, more than PAGED_MAX_QUERIES queries per sequence, or
-  no `sparse_kc`): the caller reads the cache and calls `sparse_mla`. A prefill chunk keeps
+  XLA's (`attend_logits`, its maximum by glm5_jax/row_reduce.py): the same numbers. None
+  where that path does not apply (another impl, a sharded or non-float32 pool, more than
+  PAGED_MAX_QUERIES queries per sequence, or no `sparse_kc`): the caller reads the cache and
+  calls `sparse_mla`. A prefill chunk keeps
   XLA's path: with `small`'s 32-token chunks through the kernels, their outputs equalled
   XLA's in the same program, yet the engine's log-probs moved by ~1e-6 (which op of the
   program moved was not found)."""
