@@ -155,6 +155,10 @@ const uint64_t* Smallest(Scratch& s, int64_t n, int64_t k) {
   int64_t m = 0, i = 0;
 #if defined(__AVX512F__)
   const __m512i tv = _mm512_set1_epi32(static_cast<int>(t));
+  const __m512i kPairsLo =
+      _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i kPairsHi =
+      _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
   for (; i + 16 <= n; i += 16) {   // sel has 16 slots of slack
     const __m512i kv = _mm512_loadu_si512(key + i);
     __mmask16 take = _mm512_cmplt_epu32_mask(kv, tv);
@@ -162,11 +166,9 @@ const uint64_t* Smallest(Scratch& s, int64_t n, int64_t k) {
       take |= static_cast<__mmask16>(eq & -eq);   // equal to T: the first `need`, in order
     const __m512i ck = _mm512_maskz_compress_epi32(take, kv);
     const __m512i cp = _mm512_maskz_compress_epi32(take, Positions(i));
-    for (int h = 0; h < 2; ++h) {   // (key << 32 | position), 8 at a time
-      const __m512i k64 = _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(ck, h));
-      const __m512i p64 = _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(cp, h));
-      _mm512_storeu_si512(sel + m + 8 * h, _mm512_or_si512(_mm512_slli_epi64(k64, 32), p64));
-    }
+    // (key << 32 | position): each position's 32 bits then its key's, 8 pairs at a time.
+    _mm512_storeu_si512(sel + m, _mm512_permutex2var_epi32(cp, kPairsLo, ck));
+    _mm512_storeu_si512(sel + m + 8, _mm512_permutex2var_epi32(cp, kPairsHi, ck));
     m += __builtin_popcount(take);
   }
 #endif
@@ -755,27 +757,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5TopK, TopKImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
 
+namespace {
+// The paged indexer's arguments: q, w, keys, layer, rows, limit.
+auto PagedArgs() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>();
+}
+}  // namespace
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5PagedIndexScores, PagedScoresImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                              PagedArgs().Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5PagedIndexTopK, PagedTopKImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
+                              PagedArgs().Arg<ffi::Buffer<ffi::S32>>()   // start
                                   .Ret<ffi::Buffer<ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5PagedSparseLogits, SparseLogitsImpl,
