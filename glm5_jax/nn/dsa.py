@@ -432,10 +432,9 @@ def sparse_mla_paged(cfg, q_abs, kv_pool, layer, read_bs, indices):
   XLA's (`attend_logits`, its maximum by glm5_jax/row_reduce.py): the same numbers. None
   where that path does not apply (another impl, a sharded or non-float32 pool, more than
   PAGED_MAX_QUERIES queries per sequence, or no `sparse_kc`): the caller reads the cache and
-  calls `sparse_mla`. A prefill chunk keeps
-  XLA's path: with `small`'s 32-token chunks through the kernels, their outputs equalled
-  XLA's in the same program, yet the engine's log-probs moved by ~1e-6 (which op of the
-  program moved was not found)."""
+  calls `sparse_mla`. A prefill chunk keeps XLA's path: with `small`'s 32-token chunks
+  through the kernels, their outputs equalled XLA's in the same program, yet the engine's
+  log-probs moved by ~1e-6 (which op of the program moved was not found)."""
   b, t = q_abs.shape[:2]
   c, s = cfg.kv_lora_rank, read_bs.shape[1]
   if (cfg.attention_impl != "xla" or kv_pool.dtype != jnp.float32
