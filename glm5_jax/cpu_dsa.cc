@@ -40,7 +40,6 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kMinSplit = 16 << 10;   // fewer elements in all: one thread
-constexpr int64_t kRowsPerItem = 1;
 constexpr int64_t kMinPagedSplit = 1 << 20;   // fewer multiply-adds: one thread
 
 // `work` on the calling thread and on up to threads - 1 of the pool's, until `done` counts
@@ -259,8 +258,7 @@ void Work(Rows& s) {
   Scratch scratch;
   scratch.Size(s.N, s.k);
   for (int64_t i; (i = s.next.fetch_add(1)) < s.items;) {
-    for (int64_t r = i * kRowsPerItem; r < std::min(s.R, (i + 1) * kRowsPerItem); ++r)
-      Row(s.x + r * s.N, s.N, s.k, s.v + r * s.k, s.idx + r * s.k, scratch);
+    Row(s.x + i * s.N, s.N, s.k, s.v + i * s.k, s.idx + i * s.k, scratch);   // an item a row
     s.done.fetch_add(1, std::memory_order_release);
   }
 }
@@ -277,7 +275,7 @@ ffi::Error TopKImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "top_k: k must be in [0, N]");
   if (s->R == 0 || s->k == 0) return ffi::Error::Success();
   s->x = x.typed_data(), s->v = v->typed_data(), s->idx = idx->typed_data();
-  s->items = (s->R + kRowsPerItem - 1) / kRowsPerItem;
+  s->items = s->R;
   const int64_t threads =
       s->R * s->N < kMinSplit ? 1 : std::max<int64_t>(1, pool.num_threads());
   RunPool(pool, threads, s->items, [s] { Work(*s); }, s->done);

@@ -90,19 +90,9 @@ def paged_scores(q_btjd, w_btj, keys_lnd, layer, rows_bs, limit_bt):
   folded in), w [b, t, j], keys [L, N, d] the paged pool (float32), layer int32 [], rows
   int32 [b, s] each position's pool row (out of range: clipped, as XLA's gather), limit
   int32 [b, t]. Needs `available()`."""
-  b, t, j, d = q_btjd.shape
-  if (w_btj.shape != (b, t, j) or keys_lnd.ndim != 3 or keys_lnd.shape[2] != d
-      or rows_bs.ndim != 2 or rows_bs.shape[0] != b or limit_bt.shape != (b, t)):
-    raise ValueError(f"paged_scores: q [b, t, j, d], w [b, t, j], keys [L, N, d], rows "
-                     f"[b, s], limit [b, t]; got q {q_btjd.shape}, w {w_btj.shape}, keys "
-                     f"{keys_lnd.shape}, rows {rows_bs.shape}, limit {limit_bt.shape}")
-  if keys_lnd.shape[1] * d >= 2 ** 31:
-    raise ValueError(f"paged_scores: a layer of keys {keys_lnd.shape[1:]} is over 2^31 floats")
-  f32 = jnp.float32
-  call = jax.ffi.ffi_call(PAGED_TARGET, jax.ShapeDtypeStruct((b, t, rows_bs.shape[1]), f32))
-  return call(q_btjd.astype(f32), w_btj.astype(f32), keys_lnd.astype(f32),
-              jnp.asarray(layer, jnp.int32), rows_bs.astype(jnp.int32),
-              limit_bt.astype(jnp.int32))
+  args = _paged_args("paged_scores", q_btjd, w_btj, keys_lnd, layer, rows_bs, limit_bt)
+  out = jax.ShapeDtypeStruct(q_btjd.shape[:2] + rows_bs.shape[1:], jnp.float32)
+  return jax.ffi.ffi_call(PAGED_TARGET, out)(*args)
 
 
 def paged_topk(q_btjd, w_btj, keys_lnd, layer, rows_bs, limit_bt, topk: int, start_bt=None):
@@ -112,24 +102,32 @@ def paged_topk(q_btjd, w_btj, keys_lnd, layer, rows_bs, limit_bt, topk: int, sta
   not NaN, in lax.top_k's order (descending, ties -> lower position), -1 past the number of
   them. Arguments as `paged_scores`'; start_bt int32 [b, t] (default 0). Needs
   `available()`."""
+  if topk < 0:
+    raise ValueError(f"paged_topk: topk must be >= 0, got {topk}")
+  b, t = q_btjd.shape[:2]
+  start_bt = jnp.zeros((b, t), jnp.int32) if start_bt is None else start_bt
+  args = _paged_args("paged_topk", q_btjd, w_btj, keys_lnd, layer, rows_bs, limit_bt, start_bt)
+  call = jax.ffi.ffi_call(PAGED_TOPK_TARGET, jax.ShapeDtypeStruct((b, t, topk), jnp.int32))
+  return call(*args, start_bt.astype(jnp.int32))
+
+
+def _paged_args(name, q_btjd, w_btj, keys_lnd, layer, rows_bs, limit_bt, start_bt=None):
+  """The paged indexer's arguments checked (start_bt only for its shape) and cast for the
+  call: q, w, keys float32; layer, rows, limit int32."""
   b, t, j, d = q_btjd.shape
+  windows = "limit [b, t]" if start_bt is None else "limit and start [b, t]"
   if (w_btj.shape != (b, t, j) or keys_lnd.ndim != 3 or keys_lnd.shape[2] != d
       or rows_bs.ndim != 2 or rows_bs.shape[0] != b or limit_bt.shape != (b, t)
       or (start_bt is not None and start_bt.shape != (b, t))):
-    raise ValueError(f"paged_topk: q [b, t, j, d], w [b, t, j], keys [L, N, d], rows [b, s], "
-                     f"limit and start [b, t]; got q {q_btjd.shape}, w {w_btj.shape}, keys "
-                     f"{keys_lnd.shape}, rows {rows_bs.shape}, limit {limit_bt.shape}, start "
-                     f"{None if start_bt is None else start_bt.shape}")
-  if topk < 0:
-    raise ValueError(f"paged_topk: topk must be >= 0, got {topk}")
+    raise ValueError(f"{name}: q [b, t, j, d], w [b, t, j], keys [L, N, d], rows [b, s], "
+                     f"{windows}; got q {q_btjd.shape}, w {w_btj.shape}, keys "
+                     f"{keys_lnd.shape}, rows {rows_bs.shape}, limit {limit_bt.shape}"
+                     + ("" if start_bt is None else f", start {start_bt.shape}"))
   if keys_lnd.shape[1] * d >= 2 ** 31:
-    raise ValueError(f"paged_topk: a layer of keys {keys_lnd.shape[1:]} is over 2^31 floats")
+    raise ValueError(f"{name}: a layer of keys {keys_lnd.shape[1:]} is over 2^31 floats")
   f32, i32 = jnp.float32, jnp.int32
-  start_bt = jnp.zeros((b, t), i32) if start_bt is None else start_bt
-  call = jax.ffi.ffi_call(PAGED_TOPK_TARGET, jax.ShapeDtypeStruct((b, t, topk), i32))
-  return call(q_btjd.astype(f32), w_btj.astype(f32), keys_lnd.astype(f32),
-              jnp.asarray(layer, i32), rows_bs.astype(i32), limit_bt.astype(i32),
-              start_bt.astype(i32))
+  return (q_btjd.astype(f32), w_btj.astype(f32), keys_lnd.astype(f32),
+          jnp.asarray(layer, i32), rows_bs.astype(i32), limit_bt.astype(i32))
 
 
 def _check_sparse(name, x, keys, rows, idx):
